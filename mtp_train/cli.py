@@ -1,0 +1,132 @@
+"""The command line: `mtp-train <stage> recipe=<name> run_dir=<dir> [key=value ...]`.
+
+Parses, composes the recipe into a typed RunConfig, writes it into run_dir, and calls one stage. The
+stages live in the library; nothing there imports this module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtp_train import __version__
+from mtp_train.config import ConfigError, RunConfig, available_recipes, compose, to_yaml, write_resolved
+
+EXIT_USAGE, EXIT_FAILED, EXIT_NOT_BUILT = 2, 1, 3
+
+
+@dataclass(frozen=True)
+class Stage:
+    help: str
+    entry: str | None  # "module:function" taking a RunConfig; None while the stage is not built yet
+
+
+PIPELINE = ("prepare", "precompute", "train", "validate", "export")
+STAGES: dict[str, Stage] = {
+    "prepare": Stage("conversations / text -> token ids + assistant-only loss masks (run_dir/data)", None),
+    "precompute": Stage("run the target once over the data, store its final hidden states (run_dir/store)", None),
+    "train": Stage("fit the draft head on the stored hidden states (run_dir/checkpoints)", None),
+    "validate": Stage("teacher-forced metrics + real speculative decoding: loss, accuracy, tau (run_dir/report.json)",
+                      None),
+    "export": Stage("write the head in serving layouts: hf-mtp, eagle, deepseek-nextn (run_dir/export)", None),
+    "pipeline": Stage("run prepare -> precompute -> train -> validate -> export in order", "mtp_train.cli:run_pipeline"),
+    "info": Stage("check the recipe's target and draft: derived architecture, tokenizer, a greedy sample",
+                  "mtp_train.info:run"),
+}
+
+
+class StageNotBuilt(RuntimeError):
+    pass
+
+
+def usage() -> str:
+    width = max(map(len, STAGES))
+    stages = "\n".join(f"  {name:<{width}}  {s.help}{'' if s.entry else '  [not built yet]'}"
+                       for name, s in STAGES.items())
+    return f"""mtp-train {__version__}: train, validate and export speculative-decoding draft heads
+
+usage: mtp-train <stage> [recipe=<name|file.yaml>] [run_dir=<dir>] [key=value ...] [--cfg]
+
+stages:
+{stages}
+
+recipes (recipes/*.yaml): {', '.join(available_recipes())}
+  recipe defaults to 'tiny' (the embedded target); run_dir defaults to runs/<recipe>.
+  Any config key can be overridden as key=value (e.g. target.dtype=bfloat16); unknown keys fail.
+  --cfg prints the resolved config and exits without running the stage.
+"""
+
+
+def resolve_entry(name: str) -> Callable[[RunConfig], object]:
+    stage = STAGES[name]
+    if stage.entry is None:
+        raise StageNotBuilt(f"stage {name!r} is not built yet: nothing was run")
+    module, func = stage.entry.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def run_pipeline(cfg: RunConfig) -> None:
+    for name in PIPELINE:
+        if STAGES[name].entry is None:
+            raise StageNotBuilt(f"stage {name!r} is not built yet: the pipeline stopped before it")
+        print(f"== {name}", flush=True)
+        resolve_entry(name)(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if args else EXIT_USAGE
+    if args[0] in ("-V", "--version"):
+        print(__version__)
+        return 0
+    stage, rest = args[0], args[1:]
+    if stage not in STAGES:
+        print(f"error: unknown stage {stage!r}; expected one of {', '.join(STAGES)}\n", file=sys.stderr)
+        print(usage(), file=sys.stderr)
+        return EXIT_USAGE
+    if any(a in ("-h", "--help") for a in rest):
+        print(f"mtp-train {stage}: {STAGES[stage].help}\n\n{usage()}")
+        return 0
+    show_cfg = "--cfg" in rest
+    overrides = [a for a in rest if a != "--cfg"]
+    flags = [a for a in overrides if a.startswith("-")]
+    if flags:
+        print(f"error: unknown option {flags[0]!r}; options are --help and --cfg, the rest is key=value",
+              file=sys.stderr)
+        return EXIT_USAGE
+    recipe = next((a.split("=", 1)[1] for a in overrides if a.startswith("recipe=")), "tiny")
+    if not any(a.startswith("run_dir=") for a in overrides):
+        overrides.append(f"run_dir=runs/{Path(recipe).stem if recipe.endswith(('.yaml', '.yml')) else recipe}")
+    try:
+        cfg = compose(recipe, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if show_cfg:
+        print(to_yaml(cfg), end="")
+        return 0
+    try:
+        entry = resolve_entry(stage)
+        path = write_resolved(cfg, Path(cfg.run_dir))
+        print(f"mtp-train {stage}: recipe {cfg.recipe}, run_dir {cfg.run_dir} (config: {path})", flush=True)
+        entry(cfg)
+    except StageNotBuilt as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NOT_BUILT
+    except (FileNotFoundError, ValueError) as e:  # bad inputs: the message names what and where
+        if os.environ.get("MTP_TRAIN_DEBUG"):
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

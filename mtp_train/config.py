@@ -1,0 +1,202 @@
+"""The run config: one typed dataclass per part, each defined beside the code it configures, composed
+here into `RunConfig`, which Hydra fills from a recipe under `recipes/` plus `key=value` overrides.
+
+Every recipe starts with `defaults: [run_schema, _self_]`, so Hydra checks it against `RunConfig`:
+a key that the schema does not know fails, in the recipe file and on the command line alike.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from mtp_train.info import InfoConfig
+from mtp_train.model.target import TargetConfig
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+ASSETS_DIR = PACKAGE_DIR / "assets"
+# `recipes/` at the top of the repo; shipped inside the wheel as mtp_train/recipes (a link in a checkout).
+RECIPES_DIR = PACKAGE_DIR / "recipes"
+SCHEMA_NAME = "run_schema"
+
+
+@dataclass
+class RunConfig:
+    recipe: str = MISSING  # set from the command line's recipe=...
+    run_dir: str = MISSING  # every artifact of the run lives under it
+    seed: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig)
+    info: InfoConfig = field(default_factory=InfoConfig)
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot make a valid run config; the message says what and where."""
+
+
+def _asset(name: str) -> str:
+    path = ASSETS_DIR / name
+    if not path.exists():
+        raise ConfigError(f"packaged asset {name!r} not found under {ASSETS_DIR}")
+    return str(path)
+
+
+def _register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
+    if not OmegaConf.has_resolver("asset"):
+        OmegaConf.register_new_resolver("asset", _asset)
+
+
+def available_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
+    return sorted(p.stem for p in recipes_dir.glob("*.yaml"))
+
+
+def _locate_recipe(recipe: str) -> tuple[Path, str]:
+    """(config dir, config name) for a recipe given by name or as a path to a YAML file."""
+    if recipe.endswith((".yaml", ".yml")) or os.sep in recipe:
+        path = Path(recipe).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"recipe file not found: {path}")
+        return path.parent, path.stem
+    if not (RECIPES_DIR / f"{recipe}.yaml").is_file():
+        names = available_recipes()
+        close = difflib.get_close_matches(recipe, names, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown recipe {recipe!r}: no {recipe}.yaml in {RECIPES_DIR}.{hint} "
+                          f"Available: {', '.join(names)}")
+    return RECIPES_DIR, recipe
+
+
+def _known_keys(node, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in node.items() if isinstance(node, dict) else []:
+        full = f"{prefix}{k}"
+        keys.append(full)
+        keys += _known_keys(v, full + ".")
+    return keys
+
+
+_SCHEMA_KEYS: list[str] | None = None
+
+
+def _schema_keys() -> list[str]:
+    global _SCHEMA_KEYS
+    if _SCHEMA_KEYS is None:
+        _SCHEMA_KEYS = _known_keys(OmegaConf.to_container(OmegaConf.structured(RunConfig)))
+    return _SCHEMA_KEYS
+
+
+def _unknown_key_message(key: str, where: str) -> str:
+    close = difflib.get_close_matches(key, _schema_keys(), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    siblings = [k for k in _schema_keys() if k.rsplit(".", 1)[0] == parent and k.count(".") == key.count(".")] \
+        if parent else [k for k in _schema_keys() if "." not in k]
+    return (f"unknown config key {key!r} ({where}).{hint} "
+            f"Keys {'under ' + repr(parent) if parent else 'at the top level'}: {', '.join(siblings)}")
+
+
+def _explain(exc: BaseException, recipe: str, recipe_file: Path) -> str:
+    """Turn Hydra's and OmegaConf's errors into one line that names the key and where it came from."""
+    chain, e = [], exc
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = "\n".join(str(e) for e in chain)
+    override = re.search(r"Could not override '([^']+)'", text)
+    if override and re.search(r"not in struct|To append to your config", text):
+        return _unknown_key_message(override.group(1), "from the command line")
+    omega = next((e for e in chain if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None)), None)
+    if isinstance(omega, ConfigKeyError):
+        return _unknown_key_message(str(omega.full_key), f"in recipe file {recipe_file}")
+    if isinstance(omega, ValidationError):
+        return f"bad value for {omega.full_key!r} (recipe {recipe}): {str(omega).splitlines()[0]}"
+    if override:
+        return f"bad override {override.group(1)!r}: {str(chain[-1]).splitlines()[0]}"
+    return f"recipe {recipe!r} ({recipe_file}) does not compose: {str(chain[-1]).strip()}"
+
+
+def compose(recipe: str, overrides: list[str] = ()) -> RunConfig:
+    """Compose `recipes/<recipe>.yaml` (or a YAML file by path) with `key=value` overrides into a typed,
+    fully resolved `RunConfig`. Raises ConfigError with a message that names the key at fault."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    _register()
+    config_dir, name = _locate_recipe(recipe)
+    recipe_file = config_dir / f"{name}.yaml"
+    overrides = [o for o in overrides if not o.startswith("recipe=")]
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            raise ConfigError(f"bad argument {o!r}: expected key=value (e.g. run_dir=runs/demo)")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            cfg = hydra_compose(config_name=name, overrides=list(overrides))
+        # The schema is merged once more so that a recipe that forgot `run_schema` is checked too.
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+        merged.recipe = recipe
+    except Exception as e:  # Hydra wraps OmegaConf's errors in its own
+        raise ConfigError(_explain(e, recipe, recipe_file)) from e
+    finally:
+        GlobalHydra.instance().clear()
+    return to_run_config(merged, recipe)
+
+
+def to_run_config(cfg: DictConfig, recipe: str) -> RunConfig:
+    missing = sorted(k for k in _schema_keys() if _is_missing(cfg, k))
+    if missing:
+        hints = {"run_dir": "run_dir=runs/NAME", "target.path": "target.path=/path/to/hf/checkpoint"}
+        needed = ", ".join(hints.get(k, f"{k}=...") for k in missing)
+        raise ConfigError(f"recipe {recipe!r} needs {', '.join(repr(k) for k in missing)}: pass {needed}")
+    try:
+        OmegaConf.resolve(cfg)
+        return OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except (OmegaConfBaseException, ValueError) as e:
+        chain, c = [], e
+        while c is not None:
+            chain.append(c)
+            c = c.__cause__ or c.__context__
+        cause = next((c for c in chain if isinstance(c, ValueError) and not isinstance(c, OmegaConfBaseException)), e)
+        raise ConfigError(f"recipe {recipe!r}: {str(cause).splitlines()[0]}") from e
+
+
+def _is_missing(cfg: DictConfig, key: str) -> bool:
+    node = cfg
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node.get(p) if isinstance(node, DictConfig) else None
+        if node is None:
+            return False
+    return isinstance(node, DictConfig) and OmegaConf.is_missing(node, leaf)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def write_resolved(cfg: RunConfig, run_dir: Path) -> Path:
+    """Write the resolved config to `run_dir/config.yaml`. A different config already there is kept, renamed
+    `config.N.yaml`, so nothing written earlier is lost."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    text = to_yaml(cfg)
+    if path.exists() and path.read_text() != text:
+        n = 1
+        while (run_dir / f"config.{n}.yaml").exists():
+            n += 1
+        path.rename(run_dir / f"config.{n}.yaml")
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,109 @@
+"""`mtp-train info`: a pre-flight look at a recipe's target (and draft LM) before any stage runs.
+
+It reads the architecture the head will be derived from out of `config.json`, checks that the tokenizer
+fits the model, and (unless `info.generate=false`) loads the model and decodes a prompt greedily, so a
+wrong path, a mismatched tokenizer or a model that does not load shows up before hours of precompute.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from mtp_train.model.target import TargetArch, load_causal_lm, load_tokenizer
+
+if TYPE_CHECKING:
+    from mtp_train.config import RunConfig
+
+
+@dataclass
+class InfoConfig:
+    generate: bool = True  # load the weights and decode the prompt (turn off for targets too big for this host)
+    prompt: str = "Write `def is_palindrome(text)`.\n\nReturn True if text reads the same backwards."
+    chat: bool = True  # wrap the prompt in the tokenizer's chat template when it has one
+    max_new_tokens: int = 48
+
+
+def _check_tokenizer(tokenizer, arch: TargetArch, path: str, what: str) -> None:
+    if len(tokenizer) > arch.vocab_size:
+        raise ValueError(f"{what} tokenizer at {path} has {len(tokenizer)} tokens but the model's vocab_size is "
+                         f"{arch.vocab_size}: the tokenizer does not belong to this model")
+
+
+def _prompt_ids(tokenizer, cfg: InfoConfig) -> torch.Tensor:
+    if cfg.chat and tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+    else:
+        ids = tokenizer(cfg.prompt)["input_ids"]
+    return torch.tensor([ids], dtype=torch.long)
+
+
+@torch.inference_mode()
+def greedy_sample(path: str, run: "RunConfig", what: str) -> dict:
+    tokenizer = load_tokenizer(path, what)
+    model = load_causal_lm(path, run.target, what)
+    ids = _prompt_ids(tokenizer, run.info)
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=run.info.max_new_tokens,
+                         do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    seconds = time.perf_counter() - t0
+    new = out[0, ids.shape[1]:]
+    return {"prompt_tokens": ids.shape[1], "new_tokens": new.numel(), "tokens_per_s": new.numel() / seconds,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "text": tokenizer.decode(new, skip_special_tokens=True)}
+
+
+def run(cfg: "RunConfig") -> dict:
+    models = {"target": cfg.target.path}
+    if cfg.target.draft_path:
+        models["draft"] = cfg.target.draft_path
+    report: dict = {}
+    for what, path in models.items():
+        arch = TargetArch.from_pretrained(path) if what == "target" else None
+        tokenizer = load_tokenizer(path, what)
+        if arch is not None:
+            _check_tokenizer(tokenizer, arch, path, what)
+        report[what] = {"path": str(Path(path).resolve()), "tokenizer_size": len(tokenizer),
+                        "chat_template": bool(tokenizer.chat_template)}
+        if arch is not None:
+            report[what]["architecture"] = arch.as_dict()
+        if cfg.info.generate:
+            report[what]["sample"] = greedy_sample(path, cfg, what)
+    if "draft" in models:
+        draft_tok, target_tok = load_tokenizer(models["draft"], "draft"), load_tokenizer(models["target"])
+        if draft_tok.get_vocab() != target_tok.get_vocab():
+            raise ValueError(f"draft tokenizer at {models['draft']} differs from the target's at {models['target']}: "
+                             "a draft LM must share the target's tokenizer")
+    print(format_report(report))
+    out = Path(cfg.run_dir) / "info.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = []
+    arch = report["target"].get("architecture")
+    if arch:
+        lines.append(f"target {report['target']['path']}")
+        lines.append("  architecture the head is derived from (config.json):")
+        for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "intermediate_size", "vocab_size", "rope_theta", "rms_norm_eps",
+                    "max_position_embeddings", "tie_word_embeddings"):
+            lines.append(f"    {key:<24} {arch[key]}")
+        if arch.get("mla"):
+            lines.append(f"    {'mla':<24} {arch['mla']}")
+    for what, r in report.items():
+        lines.append(f"{what}: tokenizer {r['tokenizer_size']} tokens, chat template: {'yes' if r['chat_template'] else 'no'}")
+        s = r.get("sample")
+        if s:
+            lines.append(f"  {s['parameters'] / 1e6:.2f}M parameters; greedy {s['new_tokens']} tokens "
+                         f"at {s['tokens_per_s']:.0f} tok/s:")
+            lines += ["  | " + line for line in s["text"].splitlines() or [""]]
+    return "\n".join(lines)

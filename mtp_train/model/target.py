@@ -1,0 +1,144 @@
+"""The target model as the rest of the pipeline sees it: where it is, how to load it, and the architecture
+numbers every later stage derives from its `config.json` (never copied into a recipe by hand)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Families whose decoder layer the head reuses. Matched on `model_type` exactly, never by substring.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "deepseek_v2")
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager")
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target (and optional draft LM) a run is built on."""
+
+    path: str = "???"  # HF directory: config.json, safetensors weights, tokenizer
+    draft_path: str | None = None  # a separate small causal LM with the same tokenizer (draft-target scheme)
+    dtype: str = "float32"  # float32 | bfloat16 | float16: fp32 on CPU, bf16 on GPUs
+    attn_implementation: str = "sdpa"  # sdpa | flash_attention_2 | eager
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"target.dtype={self.dtype!r}; expected one of {', '.join(DTYPES)}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"target.attn_implementation={self.attn_implementation!r}; expected one of "
+                             f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}") from None
+
+
+def check_model_dir(path: str | Path, what: str = "target") -> Path:
+    """A model directory that exists and has a config.json, or an error that says which is missing."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FileNotFoundError(f"{what} directory not found: {p}")
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{what} directory {p} has no config.json (expected a Hugging Face model directory)")
+    return p
+
+
+@dataclass(frozen=True)
+class TargetArch:
+    """The numbers a draft head is built from, read off the target's config."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_parameters: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    mla: dict[str, int] | None = None  # DeepSeek-V2 multi-head latent attention fields
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "TargetArch":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{source}: model_type {model_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+        def need(key: str) -> Any:
+            if key not in cfg or cfg[key] is None:
+                raise ValueError(f"{source}: missing field {key!r} (needed to build the draft head)")
+            return cfg[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
+            rope_theta = cfg["rope_parameters"].get("rope_theta")
+        mla = None
+        if model_type == "deepseek_v2":
+            mla = {k: int(need(k)) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
+            mla["q_lora_rank"] = int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else 0
+            head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+        else:
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+        return cls(
+            model_type=model_type,
+            hidden_size=hidden,
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            intermediate_size=int(need("intermediate_size")),
+            vocab_size=int(need("vocab_size")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_parameters=dict(rope) if isinstance(rope, dict) else None,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            mla=mla,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "TargetArch":
+        p = check_model_dir(path)
+        try:
+            cfg = json.loads((p / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p / 'config.json'}: not valid JSON ({e})") from None
+        return cls.from_dict(cfg, source=str(p / "config.json"))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_tokenizer(path: str | Path, what: str = "target"):
+    from transformers import AutoTokenizer
+
+    p = check_model_dir(path, what)
+    return AutoTokenizer.from_pretrained(p)
+
+
+def load_causal_lm(path: str | Path, cfg: TargetConfig, what: str = "target") -> torch.nn.Module:
+    """The whole causal LM, for generation and hidden-state extraction (not for the frozen head tensors,
+    which are read by key)."""
+    from transformers import AutoModelForCausalLM
+
+    p = check_model_dir(path, what)
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype(cfg.dtype),
+                                                 attn_implementation=cfg.attn_implementation,
+                                                 trust_remote_code=cfg.trust_remote_code)
+    return model.eval().requires_grad_(False)

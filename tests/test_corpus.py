@@ -1,0 +1,63 @@
+from collections import Counter
+
+import pytest
+
+from mtp_train.data import stdlib
+
+
+def test_split_rule_is_pinned():
+    # The rule is part of the data contract: changing it would leak validation files into training.
+    assert stdlib.split_of("json/decoder.py") == "target-train"
+    assert stdlib.split_of("os.py") == "target-train"
+    assert stdlib.split_of("collections/__init__.py") == "validation"
+    assert stdlib.split_of("asyncio/tasks.py") == "validation"
+    assert stdlib.split_of("base64.py") == "head-train"
+
+
+def test_splits_are_disjoint_cover_everything_and_are_deterministic():
+    everything = stdlib.list_files()
+    assert len(everything) > 500
+    per_split = {s: stdlib.list_files(s) for s in stdlib.SPLITS}
+    names = [f.relpath for s in stdlib.SPLITS for f in per_split[s]]
+    assert len(names) == len(set(names)) == len(everything)
+    assert [f.relpath for f in stdlib.list_files()] == [f.relpath for f in everything]  # same order twice
+    counts = Counter(f.split for f in everything)
+    for split, share in (("target-train", 0.8), ("head-train", 0.1), ("validation", 0.1)):
+        assert abs(counts[split] / len(everything) - share) < 0.05, counts
+    assert not any("site-packages" in f.relpath for f in everything)
+
+
+def test_corpus_reads_non_utf8_and_skips_site_packages(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "good.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "latin1.py").write_bytes(b"s = '\xe9t\xe9'\n")
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "third_party.py").write_text("y = 2\n")
+    (tmp_path / "notes.txt").write_text("not python")
+    files = stdlib.list_files(root=tmp_path)
+    assert [f.relpath for f in files] == ["pkg/good.py", "pkg/latin1.py"]
+    assert files[1].read() == "s = '\ufffdt\ufffd'\n"
+    with pytest.raises(ValueError, match="unknown corpus split"):
+        stdlib.list_files("train", root=tmp_path)
+    with pytest.raises(FileNotFoundError, match="stdlib directory not found"):
+        stdlib.list_files(root=tmp_path / "missing")
+
+
+def test_function_conversations():
+    src = '''
+class A:
+    @staticmethod
+    def add(a, b=2):
+        """Add two numbers."""
+        return a + b
+
+def undocumented():
+    return 1
+'''
+    convs = list(stdlib.function_conversations(src))
+    assert len(convs) == 1
+    system, user, assistant = convs[0]
+    assert [m["role"] for m in convs[0]] == ["system", "user", "assistant"]
+    assert user["content"] == "Write `def add(a, b=2)`.\n\nAdd two numbers."
+    assert assistant["content"] == '@staticmethod\ndef add(a, b=2):\n    """Add two numbers."""\n    return a + b'
+    assert list(stdlib.function_conversations("def broken(:\n")) == []
