@@ -8,6 +8,7 @@ a key that the schema does not know fails, in the recipe file and on the command
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -83,14 +84,17 @@ def _known_keys(node, prefix: str = "") -> list[str]:
     return keys
 
 
-_SCHEMA_KEYS: list[str] | None = None
-
-
+@functools.cache
 def _schema_keys() -> list[str]:
-    global _SCHEMA_KEYS
-    if _SCHEMA_KEYS is None:
-        _SCHEMA_KEYS = _known_keys(OmegaConf.to_container(OmegaConf.structured(RunConfig)))
-    return _SCHEMA_KEYS
+    return _known_keys(OmegaConf.to_container(OmegaConf.structured(RunConfig)))
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    chain = []
+    while exc is not None:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
 
 
 def _unknown_key_message(key: str, where: str) -> str:
@@ -105,10 +109,7 @@ def _unknown_key_message(key: str, where: str) -> str:
 
 def _explain(exc: BaseException, recipe: str, recipe_file: Path) -> str:
     """Turn Hydra's and OmegaConf's errors into one line that names the key and where it came from."""
-    chain, e = [], exc
-    while e is not None:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
+    chain = _exception_chain(exc)
     text = "\n".join(str(e) for e in chain)
     override = re.search(r"Could not override '([^']+)'", text)
     if override and re.search(r"not in struct|To append to your config", text):
@@ -163,11 +164,8 @@ def to_run_config(cfg: DictConfig, recipe: str) -> RunConfig:
     except ConfigError:
         raise
     except (OmegaConfBaseException, ValueError) as e:
-        chain, c = [], e
-        while c is not None:
-            chain.append(c)
-            c = c.__cause__ or c.__context__
-        cause = next((c for c in chain if isinstance(c, ValueError) and not isinstance(c, OmegaConfBaseException)), e)
+        ours = [c for c in _exception_chain(e) if isinstance(c, ValueError) and not isinstance(c, OmegaConfBaseException)]
+        cause = ours[0] if ours else e
         raise ConfigError(f"recipe {recipe!r}: {str(cause).splitlines()[0]}") from e
 
 

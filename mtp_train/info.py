@@ -45,8 +45,7 @@ def _prompt_ids(tokenizer, cfg: InfoConfig) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy_sample(path: str, run: "RunConfig", what: str) -> dict:
-    tokenizer = load_tokenizer(path, what)
+def greedy_sample(path: str, tokenizer, run: "RunConfig", what: str) -> dict:
     model = load_causal_lm(path, run.target, what)
     ids = _prompt_ids(tokenizer, run.info)
     t0 = time.perf_counter()
@@ -63,23 +62,21 @@ def run(cfg: "RunConfig") -> dict:
     models = {"target": cfg.target.path}
     if cfg.target.draft_path:
         models["draft"] = cfg.target.draft_path
+    arch = TargetArch.from_pretrained(cfg.target.path)
+    tokenizers = {what: load_tokenizer(path, what) for what, path in models.items()}
+    _check_tokenizer(tokenizers["target"], arch, cfg.target.path, "target")
+    if "draft" in models and tokenizers["draft"].get_vocab() != tokenizers["target"].get_vocab():
+        raise ValueError(f"draft tokenizer at {models['draft']} differs from the target's at {models['target']}: "
+                         "a draft LM must share the target's tokenizer")
     report: dict = {}
     for what, path in models.items():
-        arch = TargetArch.from_pretrained(path) if what == "target" else None
-        tokenizer = load_tokenizer(path, what)
-        if arch is not None:
-            _check_tokenizer(tokenizer, arch, path, what)
+        tokenizer = tokenizers[what]
         report[what] = {"path": str(Path(path).resolve()), "tokenizer_size": len(tokenizer),
                         "chat_template": bool(tokenizer.chat_template)}
-        if arch is not None:
+        if what == "target":
             report[what]["architecture"] = arch.as_dict()
         if cfg.info.generate:
-            report[what]["sample"] = greedy_sample(path, cfg, what)
-    if "draft" in models:
-        draft_tok, target_tok = load_tokenizer(models["draft"], "draft"), load_tokenizer(models["target"])
-        if draft_tok.get_vocab() != target_tok.get_vocab():
-            raise ValueError(f"draft tokenizer at {models['draft']} differs from the target's at {models['target']}: "
-                             "a draft LM must share the target's tokenizer")
+            report[what]["sample"] = greedy_sample(path, tokenizer, cfg, what)
     print(format_report(report))
     out = Path(cfg.run_dir) / "info.json"
     out.write_text(json.dumps(report, indent=2) + "\n")

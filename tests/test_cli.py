@@ -81,3 +81,31 @@ def test_module_and_console_script_entry_points():
     assert script.exists(), "the console script is missing: install the package (make setup)"
     out = subprocess.run([str(script), "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == __import__("mtp_train").__version__
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_info_rejects_a_tokenizer_that_does_not_fit(tmp_path, capsys, tiny_dir):
+    target = _copy_model(tiny_dir / "target", tmp_path / "target")
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["vocab_size"] = 1000
+    (target / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", f"run_dir={tmp_path / 'run'}", f"target.path={target}", "target.draft_path=null",
+                 "info.generate=false"]) == 1
+    assert "has 8192 tokens but the model's vocab_size is 1000" in capsys.readouterr().err
+
+
+def test_info_rejects_a_draft_with_another_tokenizer(tmp_path, capsys, tiny_dir):
+    from transformers import AutoTokenizer
+
+    draft = _copy_model(tiny_dir / "draft", tmp_path / "draft")
+    tok = AutoTokenizer.from_pretrained(draft)
+    tok.add_tokens(["<|extra|>"])
+    tok.save_pretrained(draft)
+    assert main(["info", f"run_dir={tmp_path / 'run'}", f"target.draft_path={draft}", "info.generate=false"]) == 1
+    assert f"draft tokenizer at {draft} differs from the target's" in capsys.readouterr().err
