@@ -1,7 +1,10 @@
 # The two commands a new user runs (both set up .venv on first use and are idempotent):
 #   make demo   run the main job on the embedded tiny target
 #   make test   run the test suite
-# GPU machines: install the torch build for your CUDA into .venv first, then `make demo TORCH=`.
+# TORCH is what is installed before the package: the pinned CPU build by default. GPU machines: install
+# the torch build for your CUDA into .venv first, then `make demo TORCH=` (installs no torch).
+# Where PyPI's default torch wheel is a CUDA build, ask for the CPU one:
+#   make test TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -16,7 +19,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(if $(TORCH),$(BIN)/python -m pip install --quiet "$(TORCH)")
+	$(if $(TORCH),$(BIN)/python -m pip install --quiet $(TORCH))
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@
 

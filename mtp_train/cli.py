@@ -102,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     recipe = next((a.split("=", 1)[1] for a in overrides if a.startswith("recipe=")), "tiny")
-    if not any(a.startswith("run_dir=") for a in overrides):
-        overrides.append(f"run_dir=runs/{Path(recipe).stem if recipe.endswith(('.yaml', '.yml')) else recipe}")
     try:
         cfg = compose(recipe, overrides)
     except ConfigError as e:
@@ -120,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except StageNotBuilt as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NOT_BUILT
-    except (FileNotFoundError, ValueError) as e:  # bad inputs: the message names what and where
+    except (OSError, ValueError) as e:  # bad inputs: the message names what and where
         if os.environ.get("MTP_TRAIN_DEBUG"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)

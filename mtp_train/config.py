@@ -2,7 +2,8 @@
 here into `RunConfig`, which Hydra fills from a recipe under `recipes/` plus `key=value` overrides.
 
 Every recipe starts with `defaults: [run_schema, _self_]`, so Hydra checks it against `RunConfig`:
-a key that the schema does not know fails, in the recipe file and on the command line alike.
+a key that the schema does not know fails, in the recipe file and on the command line alike (and
+`+key=` / `~key` overrides, which would add or drop keys, are refused).
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def available_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
 
 def _locate_recipe(recipe: str) -> tuple[Path, str]:
     """(config dir, config name) for a recipe given by name or as a path to a YAML file."""
-    if recipe.endswith((".yaml", ".yml")) or os.sep in recipe:
+    if recipe.endswith(".yml"):
+        raise ConfigError(f"recipe {recipe!r}: recipe files must end in .yaml")
+    if recipe.endswith(".yaml") or os.sep in recipe:
         path = Path(recipe).expanduser().resolve()
         if not path.is_file():
             raise ConfigError(f"recipe file not found: {path}")
@@ -114,42 +117,74 @@ def _explain(exc: BaseException, recipe: str, recipe_file: Path) -> str:
     override = re.search(r"Could not override '([^']+)'", text)
     if override and re.search(r"not in struct|To append to your config", text):
         return _unknown_key_message(override.group(1), "from the command line")
+    ambiguous = re.search(r"Ambiguous value for argument '([^'=]+)=", text)
+    if ambiguous:
+        return (f"the value of {ambiguous.group(1)!r} has a comma: quote it inside the shell's quotes "
+                "(\"key='a,b'\") or write a list (key=[a,b])")
+    unparsable = next((e for e in chain if type(e).__name__ == "OverrideParseException"), None)
+    if unparsable is not None:
+        return (f"cannot parse the override {getattr(unparsable, 'override', '')!r} "
+                f"({str(unparsable).splitlines()[0]}): quote the value inside the shell's quotes, \"key='my value'\"")
     omega = next((e for e in chain if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None)), None)
     if isinstance(omega, ConfigKeyError):
         return _unknown_key_message(str(omega.full_key), f"in recipe file {recipe_file}")
     if isinstance(omega, ValidationError):
         return f"bad value for {omega.full_key!r} (recipe {recipe}): {str(omega).splitlines()[0]}"
-    if override:
-        return f"bad override {override.group(1)!r}: {str(chain[-1]).splitlines()[0]}"
-    return f"recipe {recipe!r} ({recipe_file}) does not compose: {str(chain[-1]).strip()}"
+    message = next((str(e).strip() for e in chain if str(e).strip() not in ("", "None")), type(exc).__name__)
+    return f"recipe {recipe!r} ({recipe_file}) does not compose: {message}"
 
 
-def compose(recipe: str, overrides: list[str] = ()) -> RunConfig:
-    """Compose `recipes/<recipe>.yaml` (or a YAML file by path) with `key=value` overrides into a typed,
-    fully resolved `RunConfig`. Raises ConfigError with a message that names the key at fault."""
+def _hydra_compose(config_dir: Path, name: str, overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            return hydra_compose(config_name=name, overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose(recipe: str, overrides: list[str] = ()) -> RunConfig:
+    """Compose `recipes/<recipe>.yaml` (or a YAML file by path) with `key=value` overrides into a typed,
+    fully resolved `RunConfig`; `run_dir` defaults to `runs/<recipe name>`. Raises ConfigError with a
+    message that names the key at fault."""
     _register()
     config_dir, name = _locate_recipe(recipe)
     recipe_file = config_dir / f"{name}.yaml"
     overrides = [o for o in overrides if not o.startswith("recipe=")]
     for o in overrides:
+        if o.startswith(("+", "~")):
+            raise ConfigError(f"bad argument {o!r}: keys cannot be added or removed, every key is in the typed "
+                              "schema (see the keys with --cfg)")
         if "=" not in o or o.startswith("="):
             raise ConfigError(f"bad argument {o!r}: expected key=value (e.g. run_dir=runs/demo)")
-    GlobalHydra.instance().clear()
+    if not any(o.startswith("run_dir=") for o in overrides):
+        overrides.append(f"run_dir=runs/{name}")
     try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-            cfg = hydra_compose(config_name=name, overrides=list(overrides))
-        # The schema is merged once more so that a recipe that forgot `run_schema` is checked too.
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
-        merged.recipe = recipe
+        cfg = _hydra_compose(config_dir, name, overrides)
     except Exception as e:  # Hydra wraps OmegaConf's errors in its own
-        raise ConfigError(_explain(e, recipe, recipe_file)) from e
-    finally:
-        GlobalHydra.instance().clear()
-    return to_run_config(merged, recipe)
+        error = e
+    else:
+        error = None
+    # Without the schema in its defaults list a recipe is an untyped dict: say so rather than fail on a key.
+    plain = cfg if error is None else _try_compose(config_dir, name)
+    if plain is not None and OmegaConf.get_type(plain) is not RunConfig:
+        raise ConfigError(f"recipe file {recipe_file} is not built on the schema: start it with "
+                          "`defaults: [run_schema, _self_]` (see recipes/tiny.yaml)")
+    if error is not None:
+        raise ConfigError(_explain(error, recipe, recipe_file)) from error
+    cfg.recipe = recipe
+    return to_run_config(cfg, recipe)
+
+
+def _try_compose(config_dir: Path, name: str) -> DictConfig | None:
+    try:
+        return _hydra_compose(config_dir, name, [])
+    except Exception:
+        return None
 
 
 def to_run_config(cfg: DictConfig, recipe: str) -> RunConfig:
@@ -161,8 +196,6 @@ def to_run_config(cfg: DictConfig, recipe: str) -> RunConfig:
     try:
         OmegaConf.resolve(cfg)
         return OmegaConf.to_object(cfg)
-    except ConfigError:
-        raise
     except (OmegaConfBaseException, ValueError) as e:
         ours = [c for c in _exception_chain(e) if isinstance(c, ValueError) and not isinstance(c, OmegaConfBaseException)]
         cause = ours[0] if ours else e

@@ -47,7 +47,7 @@ def _prompt_ids(tokenizer, cfg: InfoConfig) -> torch.Tensor:
 @torch.inference_mode()
 def greedy_sample(path: str, tokenizer, run: "RunConfig", what: str) -> dict:
     model = load_causal_lm(path, run.target, what)
-    ids = _prompt_ids(tokenizer, run.info)
+    ids = _prompt_ids(tokenizer, run.info).to(model.device)
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=run.info.max_new_tokens,
                          do_sample=False, pad_token_id=tokenizer.pad_token_id)

@@ -2,6 +2,7 @@
 chat template marks assistant tokens, ship inside the wheel, and have learned something real."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def test_chat_template_marks_assistant_content_and_end_of_turn(tokenizer):
     assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
-def test_greedy_generation_is_deterministic_and_stops(target, draft, tokenizer):
+def test_greedy_generation_is_deterministic(target, draft, tokenizer):
     prompt = "import os\n\n\ndef "
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     for model in (target, draft):
@@ -119,14 +120,17 @@ def test_unigram_and_next_token_metrics_are_exact():
     assert m.tokens == 2 and m.top1 == 0.5 and m.loss == pytest.approx(1e4 / 2, rel=1e-4)
 
 
-def test_wheel_ships_recipes_and_assets(tmp_path):
-    src = tmp_path / "src"  # build from a copy: an in-tree build would leave build/ and egg-info in the repo
+def test_installed_wheel_runs_the_tiny_recipe(tmp_path):
+    """Built offline from a copy of the repo, installed into a bare folder, and run from there: the recipes
+    and assets must come from the installed package, not from this checkout."""
+    src = tmp_path / "src"  # an in-tree build would leave build/ and egg-info in the repo
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     for name in ("mtp_train", "recipes"):
         shutil.copytree(REPO / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(src)],
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w", str(tmp_path), str(src)],
                    check=True, capture_output=True)
     wheel = next(tmp_path.glob("mtp_train-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -135,3 +139,11 @@ def test_wheel_ships_recipes_and_assets(tmp_path):
                  "mtp_train/assets/tiny/target/tokenizer.json", "mtp_train/assets/tiny/draft/model.safetensors",
                  "mtp_train/assets/tiny/report.json", "mtp_train/cli.py", "mtp_train/data/stdlib.py"):
         assert need in names, need
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--quiet", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    code = ("import mtp_train, sys; from mtp_train.config import compose; cfg = compose('tiny', ['run_dir=r']); "
+            "print(mtp_train.__file__); print(cfg.target.path)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0].startswith(str(site)) and out[1] == str(site / "mtp_train" / "assets" / "tiny" / "target")

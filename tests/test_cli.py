@@ -69,6 +69,21 @@ def test_info_on_the_tiny_target(tmp_path, capsys, tiny_dir):
     assert written["info"]["max_new_tokens"] == 8 and written["target"]["path"] == str(tiny_dir / "target")
 
 
+def test_info_without_generation_reads_only_config_and_tokenizer(tmp_path, capsys, tiny_dir):
+    # What the 70B recipe does: no weights are loaded, so it works for targets larger than the host.
+    assert main(["info", "recipe=llama3.1-70b", f"run_dir={tmp_path}", f"target.path={tiny_dir / 'target'}"]) == 0
+    report = json.loads((tmp_path / "info.json").read_text())
+    assert set(report) == {"target"} and "sample" not in report["target"]
+    assert report["target"]["architecture"]["hidden_size"] == 256
+
+
+def test_info_names_a_target_without_weights(tmp_path, capsys, tiny_dir):
+    target = _copy_model(tiny_dir / "target", tmp_path / "target")
+    (target / "model.safetensors").unlink()
+    assert main(["info", f"run_dir={tmp_path / 'run'}", f"target.path={target}", "target.draft_path=null"]) == 1
+    assert f"target at {target} could not be loaded" in capsys.readouterr().err
+
+
 def test_info_names_a_bad_target_path(tmp_path, capsys):
     assert main(["info", "recipe=llama3.1-8b", f"run_dir={tmp_path}", f"target.path={tmp_path / 'nope'}"]) == 1
     assert f"target directory not found: {tmp_path / 'nope'}" in capsys.readouterr().err

@@ -45,6 +45,12 @@ def test_overrides_are_typed():
     ("seed=abc", "bad value for 'seed'"),
     ("target.dtype=float8", "target.dtype='float8'; expected one of float32, bfloat16, float16"),
     ("noequals", "bad argument 'noequals': expected key=value"),
+    ("+target.lr=3", "bad argument '+target.lr=3': keys cannot be added or removed"),
+    ("~seed", "bad argument '~seed': keys cannot be added or removed"),
+    ("++seed=3", "keys cannot be added or removed"),
+    ("target.device=gpu", "target.device='gpu'; expected auto, cpu, cuda or cuda:N"),
+    ("target.path=/models/Llama (ft)", "cannot parse the override 'target.path=/models/Llama (ft)'"),
+    ("target.path=a,b", "the value of 'target.path' has a comma: quote it"),
 ])
 def test_bad_overrides_name_the_key(override, expected):
     with pytest.raises(ConfigError) as e:
@@ -78,6 +84,27 @@ def test_recipe_file_by_path_and_unknown_key_in_a_file(tmp_path):
 
     with pytest.raises(ConfigError, match="recipe file not found"):
         compose(str(tmp_path / "absent.yaml"), ["run_dir=r"])
+
+
+def test_recipe_without_the_schema_is_named(tmp_path):
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("target:\n  path: /models/x\n")
+    with pytest.raises(ConfigError) as e:
+        compose(str(plain))
+    assert f"recipe file {plain} is not built on the schema" in str(e.value)
+    assert "defaults: [run_schema, _self_]" in str(e.value)
+
+
+def test_yml_recipes_are_refused_with_a_reason(tmp_path):
+    with pytest.raises(ConfigError, match="recipe files must end in .yaml"):
+        compose(str(tmp_path / "mine.yml"))
+
+
+def test_run_dir_defaults_to_the_recipe_name(tmp_path):
+    assert compose("llama3.1-70b", [f"target.path={tmp_path}"]).run_dir == "runs/llama3.1-70b"
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("defaults:\n  - run_schema\n  - _self_\ntarget:\n  path: /x\n")
+    assert compose(str(mine)).run_dir == "runs/mine"
 
 
 def test_write_resolved_keeps_a_different_earlier_config(tmp_path):

@@ -4,6 +4,7 @@ numbers every later stage derives from its `config.json` (never copied into a re
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,15 @@ class TargetConfig:
     path: str = "???"  # HF directory: config.json, safetensors weights, tokenizer
     draft_path: str | None = None  # a separate small causal LM with the same tokenizer (draft-target scheme)
     dtype: str = "float32"  # float32 | bfloat16 | float16: fp32 on CPU, bf16 on GPUs
-    attn_implementation: str = "sdpa"  # sdpa | flash_attention_2 | eager
+    device: str = "auto"  # auto (the GPU when there is one, else the CPU) | cpu | cuda | cuda:N
+    attn_implementation: str = "sdpa"  # sdpa | flash_attention_2 | flash_attention_3 | eager
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"target.dtype={self.dtype!r}; expected one of {', '.join(DTYPES)}")
+        if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"target.device={self.device!r}; expected auto, cpu, cuda or cuda:N")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"target.attn_implementation={self.attn_implementation!r}; expected one of "
                              f"{', '.join(ATTN_IMPLEMENTATIONS)}")
@@ -40,6 +44,15 @@ def torch_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device `TargetConfig.device` names (its format is checked when the config is built)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"target.device={name!r} but no CUDA device is available; use target.device=cpu")
+    return torch.device(name)
 
 
 def check_model_dir(path: str | Path, what: str = "target") -> Path:
@@ -138,7 +151,11 @@ def load_causal_lm(path: str | Path, cfg: TargetConfig, what: str = "target") ->
     from transformers import AutoModelForCausalLM
 
     p = check_model_dir(path, what)
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype(cfg.dtype),
-                                                 attn_implementation=cfg.attn_implementation,
-                                                 trust_remote_code=cfg.trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype(cfg.dtype),
+                                                     attn_implementation=cfg.attn_implementation,
+                                                     trust_remote_code=cfg.trust_remote_code,
+                                                     device_map=str(resolve_device(cfg.device)))
+    except OSError as e:  # missing or unreadable weight files
+        raise FileNotFoundError(f"{what} at {p} could not be loaded: {str(e).splitlines()[0]}") from e
     return model.eval().requires_grad_(False)
