@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/mtp-train info recipe=tiny run_dir=$(RUN_DIR)
+	$(BIN)/mtp-train prepare recipe=tiny run_dir=$(RUN_DIR)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

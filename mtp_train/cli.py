@@ -28,7 +28,8 @@ class Stage:
 
 PIPELINE = ("prepare", "precompute", "train", "validate", "export")
 STAGES: dict[str, Stage] = {
-    "prepare": Stage("conversations / text -> token ids + assistant-only loss masks (run_dir/data)", None),
+    "prepare": Stage("conversations / text -> token ids + assistant-only loss masks (run_dir/data)",
+                     "mtp_train.data.prepare:run"),
     "precompute": Stage("run the target once over the data, store its final hidden states (run_dir/store)", None),
     "train": Stage("fit the draft head on the stored hidden states (run_dir/checkpoints)", None),
     "validate": Stage("teacher-forced metrics + real speculative decoding: loss, accuracy, tau (run_dir/report.json)",

@@ -8,6 +8,7 @@ a key that the schema does not know fails, in the recipe file and on the command
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from mtp_train.data.prepare import DataConfig
 from mtp_train.info import InfoConfig
 from mtp_train.model.target import TargetConfig
 
@@ -34,6 +36,7 @@ class RunConfig:
     run_dir: str = MISSING  # every artifact of the run lives under it
     seed: int = 0
     target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     info: InfoConfig = field(default_factory=InfoConfig)
 
 
@@ -115,6 +118,12 @@ def _explain(exc: BaseException, recipe: str, recipe_file: Path) -> str:
     chain = _exception_chain(exc)
     text = "\n".join(str(e) for e in chain)
     override = re.search(r"Could not override '([^']+)'", text)
+    inner = next((e for e in chain if isinstance(e, ConfigKeyError) and dataclasses.is_dataclass(
+        getattr(e, "object_type", None))), None)
+    if override and inner is not None:  # a bad key inside a structured value, e.g. one data source
+        known = ", ".join(f.name for f in dataclasses.fields(inner.object_type))
+        return (f"unknown key {inner.key!r} in the value of {override.group(1)!r} (from the command line); "
+                f"{inner.object_type.__name__} has: {known}")
     if override and re.search(r"not in struct|To append to your config", text):
         return _unknown_key_message(override.group(1), "from the command line")
     ambiguous = re.search(r"Ambiguous value for argument '([^'=]+)=", text)

@@ -39,9 +39,11 @@ def test_unbuilt_stage_says_so_and_writes_nothing(stage, tmp_path, capsys):
 
 def test_pipeline_stops_at_the_first_unbuilt_stage(tmp_path, capsys):
     first_missing = next(s for s in PIPELINE if STAGES[s].entry is None)
-    assert main(["pipeline", f"run_dir={tmp_path}"]) == EXIT_NOT_BUILT
+    small = ["data.sources.0.limit=2", "data.sources.1.limit=8", "data.sources.2.limit=1", "data.sources.3.limit=4"]
+    assert main(["pipeline", f"run_dir={tmp_path}", *small]) == EXIT_NOT_BUILT
     assert f"stage {first_missing!r} is not built yet" in capsys.readouterr().err
     assert (tmp_path / "config.yaml").is_file()
+    assert (tmp_path / "data" / "manifest.json").is_file() == (first_missing != "prepare")
 
 
 def test_cli_rejects_unknown_key_and_recipe(tmp_path, capsys):

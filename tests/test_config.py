@@ -51,6 +51,10 @@ def test_overrides_are_typed():
     ("target.device=gpu", "target.device='gpu'; expected auto, cpu, cuda or cuda:N"),
     ("target.path=/models/Llama (ft)", "cannot parse the override 'target.path=/models/Llama (ft)'"),
     ("target.path=a,b", "the value of 'target.path' has a comma: quote it"),
+    ("data.sources=[{path: x.jsonl, fmt: openai}]", "unknown key 'fmt' in the value of 'data.sources' (from the "
+     "command line); SourceConfig has: path, format, split, weight, limit"),
+    ("data.sources=[{path: x.jsonl, format: csv}]", "format='csv'; expected one of auto, sharegpt"),
+    ("data.on_bad_line=maybe", "data.on_bad_line='maybe'; expected error or skip"),
 ])
 def test_bad_overrides_name_the_key(override, expected):
     with pytest.raises(ConfigError) as e:

@@ -1,0 +1,273 @@
+"""`mtp-train prepare`: the recipe's sources → `run_dir/data/{train,val}` (token ids + assistant-only loss
+masks, `datasets` on disk) and `run_dir/data/manifest.json`.
+
+Order of work, every step deterministic for a given config and input:
+read each source (bad records stop the run, or are counted with `on_bad_line=skip`) → deduplicate by
+content → limit (a seeded subset) → weight (repeat / subsample) → optionally regenerate assistant turns
+with the target → tokenize with the target's chat template → truncate or drop over-long samples → split
+train/val (by source, or by a hash of the content) → shuffle (seeded) → write to a temporary directory
+and rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tqdm.auto import tqdm
+
+from mtp_train import __version__
+from mtp_train.data.chat import BadRecord, Tokenized, tokenize_conversation, tokenize_text
+from mtp_train.data.sources import Record, SourceConfig, check_exists, files_of, read_source, sha256_file
+
+if TYPE_CHECKING:
+    from mtp_train.config import RunConfig
+
+FORMAT_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "tokenizer.model")
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    max_length: int = 2048  # tokens per sample; text documents are cut into chunks of this size
+    overlong: str = "truncate"  # truncate | drop: what happens to a conversation longer than max_length
+    last_turn_only: bool = False  # train only on the last assistant turn of each conversation
+    dedupe: bool = True
+    val_fraction: float = 0.02  # share of the samples of split=auto sources that go to val
+    on_bad_line: str = "error"  # error: stop before writing, naming file:line and field | skip: count and go on
+    regenerate: bool = False  # replace assistant turns with the target's own replies (self-distillation)
+    regen_temperature: float = 0.0  # 0 = greedy
+    regen_max_new_tokens: int = 256
+    regen_batch_size: int = 8
+    overwrite: bool = False  # replace an existing run_dir/data made with another config
+
+    def __post_init__(self) -> None:
+        if self.overlong not in ("truncate", "drop"):
+            raise ValueError(f"data.overlong={self.overlong!r}; expected truncate or drop")
+        if self.on_bad_line not in ("error", "skip"):
+            raise ValueError(f"data.on_bad_line={self.on_bad_line!r}; expected error or skip")
+        if self.max_length < 2:
+            raise ValueError(f"data.max_length must be at least 2, got {self.max_length}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+
+
+def tokenizer_hash(path: str | Path) -> str:
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        f = Path(path) / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def config_hash(cfg: "RunConfig") -> str:
+    """What decides the dataset's content: the data config, the seed and the tokenizer."""
+    payload = {"data": {k: v for k, v in asdict(cfg.data).items() if k != "overwrite"}, "seed": cfg.seed,
+               "tokenizer": tokenizer_hash(cfg.target.path)}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _subset(items: list, n: int, seed: str) -> list:
+    """A deterministic random subset of `n` items, in their original order."""
+    if n >= len(items):
+        return items
+    chosen = sorted(random.Random(seed).sample(range(len(items)), n))
+    return [items[i] for i in chosen]
+
+
+def _weighted(items: list, weight: float, seed: str) -> list:
+    whole, frac = int(math.floor(weight)), weight - math.floor(weight)
+    return items * whole + _subset(items, round(frac * len(items)), seed)
+
+
+def _in_val(record: Record, fraction: float) -> bool:
+    return int(record.key()[:8], 16) / 0x100000000 < fraction
+
+
+def collect(cfg: "RunConfig") -> tuple[list[tuple[Record, str]], dict]:
+    """Read, check, deduplicate, limit and weight every source: [(record, split)] and per-source counts."""
+    data = cfg.data
+    samples: list[tuple[Record, str]] = []
+    seen: set[str] = set()
+    report = []
+    for index, src in enumerate(data.sources):
+        counts = Counter()
+        records = []
+        for item in tqdm(read_source(src), desc=f"read {src.path}", unit=" records", leave=False):
+            if isinstance(item, BadRecord):
+                if data.on_bad_line == "error":
+                    raise ValueError(f"bad input in data.sources[{index}]: {item}; nothing was written. Fix the "
+                                     "record, or pass data.on_bad_line=skip to count and skip bad records")
+                counts[f"bad_{item.kind}"] += 1
+                continue
+            counts["records"] += 1
+            if data.dedupe:
+                key = item.key()
+                if key in seen:
+                    counts["duplicates"] += 1
+                    continue
+                seen.add(key)
+            records.append(item)
+        seed = f"{cfg.seed}:{index}"
+        if src.limit is not None:
+            records = _subset(records, src.limit, seed)
+        records = _weighted(records, src.weight, seed + ":weight")
+        for r in records:
+            split = src.split if src.split != "auto" else ("val" if _in_val(r, data.val_fraction) else "train")
+            samples.append((r, split))
+        counts["kept"] = len(records)
+        report.append({"path": src.path, "format": src.format, "split": src.split, "weight": src.weight,
+                       "limit": src.limit, "counts": dict(counts)})
+    return samples, {"sources": report}
+
+
+def tokenize(cfg: "RunConfig", tokenizer, samples: list[tuple[Record, str]]) -> tuple[dict[str, list[Tokenized]], Counter]:
+    data = cfg.data
+    out: dict[str, list[Tokenized]] = {"train": [], "val": []}
+    counts = Counter()
+    for record, split in tqdm(samples, desc="tokenize", unit=" samples", leave=False):
+        if record.kind == "text":
+            chunks = tokenize_text(tokenizer, record.text, data.max_length)
+            counts["text_chunks"] += len(chunks)
+            out[split].extend(chunks)
+            continue
+        t = tokenize_conversation(tokenizer, record.messages, data.last_turn_only, record.where)
+        if len(t.input_ids) > data.max_length:
+            if data.overlong == "drop":
+                counts["dropped_overlong"] += 1
+                continue
+            t = Tokenized(t.input_ids[: data.max_length], t.loss_mask[: data.max_length])
+            counts["truncated"] += 1
+        if not any(t.loss_mask):
+            counts["dropped_no_trainable_tokens"] += 1
+            continue
+        out[split].append(t)
+    return out, counts
+
+
+def _shuffled(items: list, seed: str) -> list:
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    return [items[i] for i in order]
+
+
+def write(out_dir: Path, splits: dict[str, list[Tokenized]], manifest: dict) -> None:
+    """Both splits and the manifest into a temporary directory, then renamed to `out_dir`."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int8"))})
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by an interrupted run: never a finished dataset
+    tmp.mkdir(parents=True)
+    for name, rows in splits.items():
+        ds = datasets.Dataset.from_dict({"input_ids": [r.input_ids for r in rows],
+                                         "loss_mask": [r.loss_mask for r in rows]}, features=features)
+        ds.save_to_disk(str(tmp / name))
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    if out_dir.exists():
+        old = out_dir.with_name(out_dir.name + ".old")
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out_dir)
+
+
+def split_stats(rows: list[Tokenized]) -> dict:
+    return {"samples": len(rows), "tokens": sum(len(r.input_ids) for r in rows),
+            "masked_tokens": sum(sum(r.loss_mask) for r in rows)}
+
+
+def run(cfg: "RunConfig") -> dict:
+    from mtp_train.model.target import load_tokenizer
+
+    data = cfg.data
+    out_dir = Path(cfg.run_dir) / "data"
+    if not data.sources:
+        raise ValueError("data.sources is empty: the recipe must name at least one source")
+    for i, src in enumerate(data.sources):
+        check_exists(src, i)
+    digest = config_hash(cfg)
+    if (out_dir / "manifest.json").is_file():
+        existing = json.loads((out_dir / "manifest.json").read_text())
+        if existing.get("config_hash") == digest:
+            print(f"prepare: {out_dir} is up to date (same data config, seed and tokenizer); nothing to do")
+            return existing
+        if not data.overwrite:
+            raise ValueError(f"{out_dir} holds a dataset made with another config; pass data.overwrite=true to "
+                             "replace it, or use another run_dir")
+    tokenizer = load_tokenizer(cfg.target.path)
+    tokenizer.model_max_length = 1 << 30  # samples are cut to data.max_length here, not by the tokenizer
+    t0 = time.perf_counter()
+    samples, manifest = collect(cfg)
+    regen = None
+    if data.regenerate:
+        from mtp_train.data.regenerate import regenerate
+
+        samples, regen = regenerate(cfg, tokenizer, samples)
+    splits, counts = tokenize(cfg, tokenizer, samples)
+    splits = {name: _shuffled(rows, f"{cfg.seed}:{name}") for name, rows in splits.items()}
+    if not splits["train"]:
+        raise ValueError("no training samples left after reading, filtering and splitting the sources")
+    seconds = time.perf_counter() - t0
+    n_samples = sum(len(rows) for rows in splits.values())
+    n_tokens = sum(len(r.input_ids) for rows in splits.values() for r in rows)
+    for src_report, src in zip(manifest["sources"], data.sources):
+        src_report["files"] = [{"path": str(f), "sha256": sha256_file(f)} for f in files_of(src)] \
+            if src.format not in ("stdlib", "stdlib_chat") else _stdlib_digest(src)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "created_by": f"mtp_train {__version__}",
+        "config_hash": digest,
+        "tokenizer": {"path": str(Path(cfg.target.path).resolve()), "sha256": tokenizer_hash(cfg.target.path)},
+        "data_config": asdict(data),
+        "seed": cfg.seed,
+        **manifest,
+        "counts": dict(counts),
+        "splits": {name: split_stats(rows) for name, rows in splits.items()},
+        "regenerate": regen,
+        "throughput": {"seconds": round(seconds, 3), "samples_per_s": round(n_samples / seconds, 1),
+                       "tokens_per_s": round(n_tokens / seconds, 1)},
+    }
+    write(out_dir, splits, manifest)
+    print(format_summary(manifest, out_dir))
+    return manifest
+
+
+def _stdlib_digest(src: SourceConfig) -> dict:
+    h = hashlib.sha256()
+    files = files_of(src)
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return {"corpus": f"stdlib:{src.path}", "files": len(files), "sha256": h.hexdigest()}
+
+
+def format_summary(m: dict, out_dir: Path) -> str:
+    lines = [f"prepare: wrote {out_dir}"]
+    for name, s in m["splits"].items():
+        lines.append(f"  {name:<5} {s['samples']:>7,} samples {s['tokens']:>10,} tokens "
+                     f"{s['masked_tokens']:>10,} trainable")
+    for src in m["sources"]:
+        c = src["counts"]
+        bad = {k: v for k, v in c.items() if k.startswith("bad_")}
+        lines.append(f"  source {src['path']} ({src['format']}, {src['split']}): {c.get('records', 0)} records, "
+                     f"{c.get('duplicates', 0)} duplicates, {c.get('kept', 0)} kept" + (f", bad {bad}" if bad else ""))
+    if m["counts"]:
+        lines.append(f"  {', '.join(f'{k} {v}' for k, v in sorted(m['counts'].items()))}")
+    t = m["throughput"]
+    lines.append(f"  {t['samples_per_s']:,.0f} samples/s, {t['tokens_per_s']:,.0f} tokens/s")
+    return "\n".join(lines)

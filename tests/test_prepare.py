@@ -1,0 +1,285 @@
+"""`mtp-train prepare`: exact assistant-only masks, every bad-input case with its message, determinism,
+the plain-text path, self-distillation, and the recipe end to end."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mtp_train.cli import main
+from mtp_train.config import compose
+from mtp_train.data import prepare as prep
+from mtp_train.data import stdlib
+from mtp_train.data.chat import BadRecord, has_generation_markers, normalize, tokenize_conversation
+from mtp_train.data.sources import SourceConfig
+
+CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": "hi there"}, {"role": "user", "content": "Again, in Python."},
+        {"role": "assistant", "content": "print('hello')\n"}]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return AutoTokenizer.from_pretrained(tiny_dir / "target")
+
+
+@pytest.fixture(scope="module")
+def tok_plain(tiny_dir):
+    """The same tokenizer with a template that has no {% generation %} markers."""
+    t = AutoTokenizer.from_pretrained(tiny_dir / "target")
+    t.chat_template = t.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert not has_generation_markers(t)
+    return t
+
+
+def _assistant_ids(tok, texts):
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    return [i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"] + [eot]]
+
+
+@pytest.mark.parametrize("which", ["tok", "tok_plain"])
+def test_masks_are_exactly_the_assistant_turns(which, request):
+    tok = request.getfixturevalue(which)
+    t = tokenize_conversation(tok, CONV)
+    assert t.input_ids == list(tok.apply_chat_template(CONV, tokenize=True, return_dict=False))
+    assert [i for i, m in zip(t.input_ids, t.loss_mask) if m] == _assistant_ids(tok, ["hi there", "print('hello')\n"])
+    assert tok.decode([i for i, m in zip(t.input_ids, t.loss_mask) if m]) == \
+        "hi there<|eot_id|>print('hello')\n<|eot_id|>"
+    last = tokenize_conversation(tok, CONV, last_turn_only=True)
+    assert last.input_ids == t.input_ids
+    assert [i for i, m in zip(last.input_ids, last.loss_mask) if m] == _assistant_ids(tok, ["print('hello')\n"])
+
+
+def test_a_template_that_is_not_prefix_consistent_is_refused(tok_plain):
+    t = AutoTokenizer.from_pretrained(tok_plain.name_or_path)
+    # Drops the content of earlier assistant turns (as some "thinking" templates do).
+    t.chat_template = ("{% for m in messages %}{{ m['role'] }}: "
+                       "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}{{ m['content'] }}{% endif %}\n"
+                       "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    with pytest.raises(ValueError, match="does not render conversation prefixes as prefixes"):
+        tokenize_conversation(t, CONV, where="x.jsonl:3")
+
+
+@pytest.mark.parametrize("record, fmt, kind, message", [
+    ({"messages": [{"role": "user", "content": "q"}]}, "openai", "no_assistant_turn", "no assistant turn"),
+    ({"messages": []}, "openai", "empty_conversation", "field 'messages' is empty"),
+    ({"conversation": []}, "sharegpt", "missing_field", "missing field 'conversations'"),
+    ({"conversations": [{"from": "human"}]}, "sharegpt", "missing_field",
+     "conversations[0] needs fields 'from' and 'value'"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "robot", "value": "a"}]}, "sharegpt",
+     "unknown_role", "conversations[1].from is 'robot'"),
+    ({"messages": [{"role": "user", "content": 3}]}, "openai", "missing_field",
+     "field 'messages[0].content' must be a string"),
+])
+def test_normalize_names_the_field(record, fmt, kind, message):
+    with pytest.raises(BadRecord) as e:
+        normalize(record, fmt, "f.jsonl:7")
+    assert e.value.kind == kind and str(e.value).startswith("f.jsonl:7: ") and message in str(e.value)
+
+
+def test_normalize_sharegpt_and_openai_parts():
+    sg = normalize({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
+                                      {"from": "gpt", "value": "a"}]}, "sharegpt", "x")
+    assert [m["role"] for m in sg] == ["system", "user", "assistant"]
+    oa = normalize({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                              {"type": "text", "text": "b"}]},
+                                 {"role": "assistant", "content": "c"}]}, "openai", "x")
+    assert oa[0]["content"] == "ab"
+
+
+def _cfg(tmp_path, sources, *overrides):
+    cfg = compose("tiny", [f"run_dir={tmp_path / 'run'}", *overrides])
+    cfg.data.sources = sources
+    return cfg
+
+
+def _write_jsonl(path: Path, lines) -> Path:
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n"
+                              for line in lines))
+    return path
+
+
+GOOD = {"conversations": [{"from": "human", "value": "Write add."}, {"from": "gpt", "value": "def add(a, b): ..."}]}
+BAD_LINES = [
+    (b'{"conversations": [', "malformed_json", ":2: malformed JSON"),
+    ({"nope": 1}, "missing_field", ":2: missing field 'conversations'"),
+    ({"conversations": [{"from": "bot", "value": "x"}]}, "unknown_role", ":2: conversations[0].from is 'bot'"),
+    ({"conversations": []}, "empty_conversation", ":2: field 'conversations' is empty"),
+    ({"conversations": [{"from": "human", "value": "q"}]}, "no_assistant_turn", ":2: the conversation has no assistant"),
+    (b'{"conversations": [{"from": "human", "value": "caf\xe9"}]}', "non_utf8", ":2: bytes that are not UTF-8"),
+]
+
+
+@pytest.mark.parametrize("line, kind, message", BAD_LINES, ids=[b[1] for b in BAD_LINES])
+def test_bad_line_stops_the_run_naming_file_and_line(tmp_path, line, kind, message):
+    path = _write_jsonl(tmp_path / "chats.jsonl", [GOOD, line, GOOD])
+    cfg = _cfg(tmp_path, [SourceConfig(path=str(path), format="sharegpt", split="train")])
+    with pytest.raises(ValueError) as e:
+        prep.run(cfg)
+    assert f"{path}{message}" in str(e.value) and "data.on_bad_line=skip" in str(e.value)
+    assert not (tmp_path / "run" / "data").exists()
+
+
+def test_bad_lines_are_counted_with_skip(tmp_path):
+    path = _write_jsonl(tmp_path / "chats.jsonl", [GOOD] + [b[0] for b in BAD_LINES] + [
+        {"conversations": [{"from": "human", "value": "other"}, {"from": "gpt", "value": "reply"}]}])
+    cfg = _cfg(tmp_path, [SourceConfig(path=str(path), split="train")], "data.on_bad_line=skip")
+    m = prep.run(cfg)
+    counts = m["sources"][0]["counts"]
+    assert {k: v for k, v in counts.items() if k.startswith("bad_")} == {f"bad_{b[1]}": 1 for b in BAD_LINES}
+    assert counts["records"] == 2 and m["splits"]["train"]["samples"] == 2
+    assert m["sources"][0]["files"] == [{"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}]
+
+
+def test_json_list_and_format_detection_errors(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text('[\n  {"conversations": []},\n  {oops}\n]')
+    with pytest.raises(ValueError, match=rf"{broken}:3: malformed JSON"):
+        prep.run(_cfg(tmp_path, [SourceConfig(path=str(broken), format="sharegpt", split="train")]))
+    odd = tmp_path / "data.csv"
+    odd.write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"data.csv: cannot tell the format from the suffix"):
+        prep.run(_cfg(tmp_path, [SourceConfig(path=str(odd), split="train")]))
+    neither = _write_jsonl(tmp_path / "x.jsonl", [{"text": "hi"}])
+    with pytest.raises(ValueError, match=r"x.jsonl:1: cannot tell the format"):
+        prep.run(_cfg(tmp_path, [SourceConfig(path=str(neither), split="train")]))
+
+
+def test_missing_source_fails_before_any_work(tmp_path, capsys):
+    assert main(["prepare", f"run_dir={tmp_path / 'run'}", "data.sources=[{path: /no/such.jsonl}]"]) == 1
+    assert "data.sources[0]: path not found: /no/such.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "data").exists()
+
+
+def _dataset_digest(data_dir: Path) -> dict:
+    return {str(p.relative_to(data_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(data_dir.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+
+
+def test_same_inputs_give_a_byte_identical_dataset(tmp_path):
+    path = _write_jsonl(tmp_path / "c.jsonl", [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+        for i in range(40)])
+    runs = []
+    for name in ("a", "b"):
+        cfg = compose("tiny", [f"run_dir={tmp_path / name}", "data.val_fraction=0.25"])
+        cfg.data.sources = [SourceConfig(path=str(path))]
+        prep.run(cfg)
+        runs.append(_dataset_digest(tmp_path / name / "data"))
+    assert runs[0] == runs[1] and "train/data-00000-of-00001.arrow" in runs[0]
+    m = json.loads((tmp_path / "a" / "data" / "manifest.json").read_text())
+    assert m["splits"]["val"]["samples"] > 0 and m["splits"]["train"]["samples"] + m["splits"]["val"]["samples"] == 40
+
+
+def test_plain_text_directory(tmp_path, tok):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    files = stdlib.list_files("head-train")[:3]
+    for f in files:
+        (docs / Path(f.relpath).name).write_text(f.read())
+    cfg = _cfg(tmp_path, [SourceConfig(path=str(docs), split="train")], "data.max_length=64", "data.dedupe=false")
+    m = prep.run(cfg)
+    ds = datasets.load_from_disk(str(tmp_path / "run" / "data" / "train"))
+    assert m["sources"][0]["counts"]["records"] == 3 and len(m["sources"][0]["files"]) == 3
+    assert all(1 < len(r) <= 64 for r in ds["input_ids"]) and all(set(r) == {1} for r in ds["loss_mask"])
+    expected = []  # each document as bos + text + eos, cut into 64-token chunks (a 1-token tail has no target)
+    for f in files:
+        ids = tok(f.read())["input_ids"] + [tok.eos_token_id]
+        expected += [tuple(ids[i : i + 64]) for i in range(0, len(ids), 64) if len(ids[i : i + 64]) > 1]
+    assert sorted(map(tuple, ds["input_ids"])) == sorted(expected)
+    assert ds.features["input_ids"].feature.dtype == "int32" and ds.features["loss_mask"].feature.dtype == "int8"
+
+
+def test_limit_weight_and_dedupe(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"q{i % 10}"}, {"role": "assistant", "content": "a"}]}
+            for i in range(12)]  # two duplicates
+    path = _write_jsonl(tmp_path / "c.jsonl", rows)
+    m = prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train", limit=4, weight=2.5)]))
+    c = m["sources"][0]["counts"]
+    assert (c["records"], c["duplicates"], c["kept"]) == (12, 2, 10)  # 4 × 2 + half of 4
+    assert m["splits"]["train"]["samples"] == 10
+
+
+def test_overlong_truncate_and_drop(tmp_path):
+    long = {"messages": [{"role": "user", "content": "x " * 200}, {"role": "assistant", "content": "y " * 200}]}
+    path = _write_jsonl(tmp_path / "c.jsonl", [long])
+    m = prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], "data.max_length=300"))
+    assert m["counts"]["truncated"] == 1 and m["splits"]["train"]["tokens"] == 300
+    with pytest.raises(ValueError, match="no training samples left"):
+        prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], "data.max_length=300",
+                      "data.overlong=drop", "data.overwrite=true"))
+
+
+def test_rerun_is_a_no_op_and_another_config_needs_overwrite(tmp_path, capsys):
+    path = _write_jsonl(tmp_path / "c.jsonl", [GOOD])
+    prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")]))
+    before = _dataset_digest(tmp_path / "run" / "data")
+    prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")]))
+    assert "is up to date" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="data.overwrite=true"):
+        prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], "data.max_length=64"))
+    assert _dataset_digest(tmp_path / "run" / "data") == before  # nothing lost
+    prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], "data.max_length=64", "data.overwrite=true"))
+    assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["data_config"]["max_length"] == 64
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["data"]
+
+
+def test_hf_disk_and_sharegpt_json_list(tmp_path):
+    ds = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "q"},
+                                                   {"role": "assistant", "content": "a"}]]})
+    ds.save_to_disk(str(tmp_path / "hf"))
+    (tmp_path / "sg.json").write_text(json.dumps([GOOD]))
+    m = prep.run(_cfg(tmp_path, [SourceConfig(path=str(tmp_path / "hf"), split="train"),
+                                 SourceConfig(path=str(tmp_path / "sg.json"), split="val")]))
+    assert (m["splits"]["train"]["samples"], m["splits"]["val"]["samples"]) == (1, 1)
+
+
+def test_regenerate_replaces_assistant_turns_with_the_targets_reply(tmp_path, tiny_dir, tok):
+    convs = [{"messages": [{"role": "user", "content": f"Write `def f{i}(x)`.\n\nReturn x."},
+                           {"role": "assistant", "content": "ORIGINAL"}]} for i in range(3)]
+    path = _write_jsonl(tmp_path / "c.jsonl", convs)
+    m = prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], "data.regenerate=true",
+                      "data.regen_max_new_tokens=6", "data.regen_batch_size=2"))
+    assert m["regenerate"]["conversations"] == 3 and m["regenerate"]["turns"] == 3
+    target = AutoModelForCausalLM.from_pretrained(tiny_dir / "target", dtype=torch.float32)
+    ds = datasets.load_from_disk(str(tmp_path / "run" / "data" / "train"))
+    got = sorted(tok.decode([i for i, k in zip(ids, mask) if k]) for ids, mask in zip(ds["input_ids"], ds["loss_mask"]))
+    expected = []
+    for c in convs:
+        prompt = torch.tensor([tok.apply_chat_template(c["messages"][:1], add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False)])
+        out = target.generate(prompt, max_new_tokens=6, do_sample=False)[0, prompt.shape[1]:].tolist()
+        stop = set(target.generation_config.eos_token_id)
+        reply = out[: next((i for i, t in enumerate(out) if t in stop), len(out))]
+        expected.append(tok.decode(reply, skip_special_tokens=True) + "<|eot_id|>")
+    assert got == sorted(expected) and "ORIGINAL" not in "".join(got)
+
+
+def test_tiny_recipe_end_to_end(tmp_path, tok):
+    run_dir = tmp_path / "tiny"
+    assert main(["prepare", f"run_dir={run_dir}", "data.sources.0.limit=4", "data.sources.1.limit=40",
+                 "data.sources.2.limit=2", "data.sources.3.limit=8"]) == 0
+    m = json.loads((run_dir / "data" / "manifest.json").read_text())
+    assert m["tokenizer"]["sha256"] == prep.tokenizer_hash(Path(tok.name_or_path))
+    assert m["sources"][1]["files"]["files"] == len(stdlib.list_files("head-train"))
+    val = datasets.load_from_disk(str(run_dir / "data" / "val"))
+    assert len(val) == m["splits"]["val"]["samples"] > 0
+    # Every chat sample's masked tokens are one contiguous run right after the assistant header, and
+    # decode to exactly that conversation's assistant text plus the end-of-turn token.
+    answers = {conv[-1]["content"] for f in stdlib.list_files("validation")
+               for conv in stdlib.function_conversations(f.read())}
+    chats = [(ids, mask) for ids, mask in zip(val["input_ids"], val["loss_mask"]) if 0 in mask]
+    complete = 0
+    for ids, mask in chats:
+        first = mask.index(1)
+        assert all(mask[first:]) and not any(mask[:first])
+        assert tok.decode(ids[:first]).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+        text = tok.decode(ids[first:])
+        if text.endswith("<|eot_id|>"):  # not truncated
+            assert text[: -len("<|eot_id|>")] in answers
+            complete += 1
+    assert complete > 0
