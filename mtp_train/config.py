@@ -120,7 +120,8 @@ def _explain(exc: BaseException, recipe: str, recipe_file: Path) -> str:
     override = re.search(r"Could not override '([^']+)'", text)
     inner = next((e for e in chain if isinstance(e, ConfigKeyError) and dataclasses.is_dataclass(
         getattr(e, "object_type", None))), None)
-    if override and inner is not None:  # a bad key inside a structured value, e.g. one data source
+    if override and inner is not None and inner.key not in override.group(1).split("."):
+        # a bad key inside a structured value, e.g. one data source
         known = ", ".join(f.name for f in dataclasses.fields(inner.object_type))
         return (f"unknown key {inner.key!r} in the value of {override.group(1)!r} (from the command line); "
                 f"{inner.object_type.__name__} has: {known}")
