@@ -181,6 +181,9 @@ def test_plain_text_directory(tmp_path, tok):
     files = stdlib.list_files("head-train")[:3]
     for f in files:
         (docs / Path(f.relpath).name).write_text(f.read())
+    (docs / "__pycache__").mkdir()
+    (docs / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\xff\xfe binary")  # not a text suffix: ignored
+    (docs / ".hidden.txt").write_text("hidden files are skipped")
     cfg = _cfg(tmp_path, [SourceConfig(path=str(docs), split="train")], "data.max_length=64", "data.dedupe=false")
     m = prep.run(cfg)
     ds = datasets.load_from_disk(str(tmp_path / "run" / "data" / "train"))
@@ -200,8 +203,13 @@ def test_limit_weight_and_dedupe(tmp_path):
     path = _write_jsonl(tmp_path / "c.jsonl", rows)
     m = prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train", limit=4, weight=2.5)]))
     c = m["sources"][0]["counts"]
-    assert (c["records"], c["duplicates"], c["kept"]) == (12, 2, 10)  # 4 × 2 + half of 4
+    assert (c["records"], c["duplicates"], c["kept"], c["train_after_weight"]) == (12, 2, 4, 10)  # 4×2 + 2
     assert m["splits"]["train"]["samples"] == 10
+    # Weights repeat training samples only.
+    m = prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train"),
+                                 SourceConfig(path=str(path), split="val", weight=3.0)],
+                      "data.overwrite=true", "data.dedupe=false"))
+    assert (m["splits"]["train"]["samples"], m["splits"]["val"]["samples"]) == (12, 12)
 
 
 def test_overlong_truncate_and_drop(tmp_path):
@@ -212,6 +220,46 @@ def test_overlong_truncate_and_drop(tmp_path):
     with pytest.raises(ValueError, match="no training samples left"):
         prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], "data.max_length=300",
                       "data.overlong=drop", "data.overwrite=true"))
+
+
+def test_an_edited_source_is_not_mistaken_for_up_to_date(tmp_path):
+    path = _write_jsonl(tmp_path / "c.jsonl", [GOOD])
+    prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")]))
+    _write_jsonl(path, [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "NEW"}]}])
+    with pytest.raises(ValueError, match="another config or other source files"):
+        prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")]))
+    m = prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], "data.overwrite=true"))
+    assert m["sources"][0]["files"][0]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_chatml_style_template_without_markers_masks_content_and_end_token_only(tok):
+    t = AutoTokenizer.from_pretrained(tok.name_or_path)
+    t.chat_template = ("{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '\n' + m['content'] + "
+                       "'<|eot_id|>' + '\n' }}{% endfor %}"
+                       "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant\n' }}{% endif %}")
+    out = tokenize_conversation(t, CONV)
+    assert [i for i, m in zip(out.input_ids, out.loss_mask) if m] == _assistant_ids(t, ["hi there", "print('hello')\n"])
+
+
+def test_template_errors_follow_on_bad_line(tmp_path, tiny_dir):
+    target = tmp_path / "target"
+    target.mkdir()
+    for f in (tiny_dir / "target").iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    strict = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+              "{{ m['role'] + ': ' + m['content'] + '<|eot_id|>' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    (target / "chat_template.jinja").write_text(strict)
+    path = _write_jsonl(tmp_path / "c.jsonl", [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"},
+                      {"role": "assistant", "content": "b"}]}])
+    with pytest.raises(ValueError, match=rf"{path}:2: the chat template refused the conversation"):
+        prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], f"target.path={target}"))
+    m = prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], f"target.path={target}",
+                      "data.on_bad_line=skip"))
+    assert m["counts"]["bad_template_error"] == 1 and m["splits"]["train"]["samples"] == 1
 
 
 def test_rerun_is_a_no_op_and_another_config_needs_overwrite(tmp_path, capsys):
@@ -257,6 +305,31 @@ def test_regenerate_replaces_assistant_turns_with_the_targets_reply(tmp_path, ti
         reply = out[: next((i for i, t in enumerate(out) if t in stop), len(out))]
         expected.append(tok.decode(reply, skip_special_tokens=True) + "<|eot_id|>")
     assert got == sorted(expected) and "ORIGINAL" not in "".join(got)
+
+
+def test_regenerate_multi_turn_feeds_the_targets_own_earlier_reply(tmp_path, tiny_dir, tok):
+    conv = {"messages": [{"role": "user", "content": "Write `def a()`."}, {"role": "assistant", "content": "OLD1"},
+                         {"role": "user", "content": "Now `def b()`."}, {"role": "assistant", "content": "OLD2"}]}
+    path = _write_jsonl(tmp_path / "c.jsonl", [conv])
+    prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train", weight=3.0)], "data.regenerate=true",
+                  "data.regen_max_new_tokens=5"))
+    m = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
+    assert m["regenerate"]["conversations"] == 1 and m["regenerate"]["turns"] == 2  # generated once, then weighted
+    assert m["splits"]["train"]["samples"] == 3 and m["regenerate"]["samples_per_s"] > 0
+    target = AutoModelForCausalLM.from_pretrained(tiny_dir / "target", dtype=torch.float32)
+    stop = set(target.generation_config.eos_token_id)
+
+    def reply(messages):
+        prompt = torch.tensor([tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)])
+        out = target.generate(prompt, max_new_tokens=5, do_sample=False)[0, prompt.shape[1]:].tolist()
+        return tok.decode(out[: next((i for i, t in enumerate(out) if t in stop), len(out))], skip_special_tokens=True)
+
+    msgs = [dict(x) for x in conv["messages"]]
+    msgs[1]["content"] = reply(msgs[:1])
+    msgs[3]["content"] = reply(msgs[:3])  # the second prompt holds the target's first reply
+    ds = datasets.load_from_disk(str(tmp_path / "run" / "data" / "train"))
+    assert ds[0]["input_ids"] == list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False))
 
 
 def test_tiny_recipe_end_to_end(tmp_path, tok):

@@ -10,6 +10,7 @@ string):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 ROLES = ("system", "user", "assistant")
@@ -64,8 +65,16 @@ def normalize(record, fmt: str, where: str) -> list[dict[str, str]]:
 
 
 def has_generation_markers(tokenizer) -> bool:
-    template = tokenizer.chat_template or ""
-    return "{% generation %}" in template or "{%- generation %}" in template
+    return re.search(r"\{%-?\s*generation\s*-?%\}", tokenizer.chat_template or "") is not None
+
+
+def _last_run(mask: list[int]) -> list[int]:
+    """Only the last contiguous run of ones (the last assistant turn)."""
+    end = max((i for i, m in enumerate(mask) if m), default=-1) + 1
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return [int(start <= i < end) for i in range(len(mask))]
 
 
 def _render(tokenizer, messages, add_generation_prompt: bool = False) -> str:
@@ -85,14 +94,16 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], last_turn_o
     if not tokenizer.chat_template:
         raise ValueError("the target's tokenizer has no chat template: conversations cannot be tokenized "
                          "(use plain-text sources, or add a chat template to the tokenizer)")
-    if has_generation_markers(tokenizer) and not last_turn_only:
+    if has_generation_markers(tokenizer):
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
-        return Tokenized(list(out["input_ids"]), [int(m) for m in out["assistant_masks"]])
+        mask = [int(m) for m in out["assistant_masks"]]
+        return Tokenized(list(out["input_ids"]), _last_run(mask) if last_turn_only else mask)
     # Without markers: the text between the prefix before an assistant turn (with the generation prompt)
     # and the prefix through it is that turn. Token ids come from one tokenization of the whole
     # conversation (exactly what apply_chat_template gives), and each token is assigned by its characters,
-    # so BPE merges across the boundary cannot shift the mask.
+    # so BPE merges across the boundary cannot shift the mask. What a template writes after the turn's
+    # last special token (the newline after ChatML's <|im_end|>) is scaffolding, not the turn.
     text = _render(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     spans = []
@@ -105,8 +116,15 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], last_turn_o
                              "of the whole conversation, so assistant tokens cannot be located; use a template "
                              "with {% generation %} markers")
         spans.append((len(start), len(end)))
-    mask = [int(any(a < e and b > s for s, e in spans)) for a, b in enc["offset_mapping"]]
-    return Tokenized(list(enc["input_ids"]), mask)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    mask = [0] * len(ids)
+    for s, e in spans:
+        turn = [k for k, (a, b) in enumerate(offsets) if a < e and b > s]
+        ends = [k for k in turn if ids[k] in special]
+        for k in turn if not ends else [k for k in turn if k <= ends[-1]]:
+            mask[k] = 1
+    return Tokenized(ids, mask)
 
 
 def tokenize_text(tokenizer, text: str, max_length: int) -> list[Tokenized]:

@@ -22,11 +22,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from mtp_train import __version__
 from mtp_train.data.chat import BadRecord, Tokenized, tokenize_conversation, tokenize_text
 from mtp_train.data.sources import Record, SourceConfig, check_exists, files_of, read_source, sha256_file
+from mtp_train.model.target import load_tokenizer, target_fingerprint
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
@@ -71,10 +73,19 @@ def tokenizer_hash(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def config_hash(cfg: "RunConfig") -> str:
-    """What decides the dataset's content: the data config, the seed and the tokenizer."""
+def source_digests(cfg: "RunConfig") -> list:
+    """Each source's files with their sha256 (one digest for the built-in corpus)."""
+    return [[{"path": str(f), "sha256": sha256_file(f)} for f in files_of(src)]
+            if src.format not in ("stdlib", "stdlib_chat") else _stdlib_digest(src) for src in cfg.data.sources]
+
+
+def config_hash(cfg: "RunConfig", sources: list) -> str:
+    """What decides the dataset's content: the data config, the seed, the tokenizer, the sources' bytes and,
+    when the target rewrites the replies, the target itself."""
     payload = {"data": {k: v for k, v in asdict(cfg.data).items() if k != "overwrite"}, "seed": cfg.seed,
-               "tokenizer": tokenizer_hash(cfg.target.path)}
+               "tokenizer": tokenizer_hash(cfg.target.path), "sources": sources}
+    if cfg.data.regenerate:
+        payload["target"] = {"fingerprint": target_fingerprint(cfg.target.path), "dtype": cfg.target.dtype}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -95,10 +106,11 @@ def _in_val(record: Record, fraction: float) -> bool:
     return int(record.key()[:8], 16) / 0x100000000 < fraction
 
 
-def collect(cfg: "RunConfig") -> tuple[list[tuple[Record, str]], dict]:
-    """Read, check, deduplicate, limit and weight every source: [(record, split)] and per-source counts."""
+def collect(cfg: "RunConfig") -> tuple[list[tuple[int, Record, str]], dict]:
+    """Read, check, deduplicate and limit every source: [(source index, record, split)] and per-source
+    counts."""
     data = cfg.data
-    samples: list[tuple[Record, str]] = []
+    samples: list[tuple[int, Record, str]] = []
     seen: set[str] = set()
     report = []
     for index, src in enumerate(data.sources):
@@ -119,17 +131,26 @@ def collect(cfg: "RunConfig") -> tuple[list[tuple[Record, str]], dict]:
                     continue
                 seen.add(key)
             records.append(item)
-        seed = f"{cfg.seed}:{index}"
         if src.limit is not None:
-            records = _subset(records, src.limit, seed)
-        records = _weighted(records, src.weight, seed + ":weight")
+            records = _subset(records, src.limit, f"{cfg.seed}:{index}")
         for r in records:
             split = src.split if src.split != "auto" else ("val" if _in_val(r, data.val_fraction) else "train")
-            samples.append((r, split))
+            samples.append((index, r, split))
         counts["kept"] = len(records)
         report.append({"path": src.path, "format": src.format, "split": src.split, "weight": src.weight,
                        "limit": src.limit, "counts": dict(counts)})
     return samples, {"sources": report}
+
+
+def weigh(cfg: "RunConfig", samples: list[tuple[int, Record, str]], report: dict) -> list[tuple[Record, str]]:
+    """Apply each source's weight to its training samples (validation samples are never repeated)."""
+    out = []
+    for index, src in enumerate(cfg.data.sources):
+        train = [(r, s) for i, r, s in samples if i == index and s == "train"]
+        weighted = _weighted(train, src.weight, f"{cfg.seed}:{index}:weight")
+        report["sources"][index]["counts"]["train_after_weight"] = len(weighted)
+        out += weighted + [(r, s) for i, r, s in samples if i == index and s == "val"]
+    return out
 
 
 def tokenize(cfg: "RunConfig", tokenizer, samples: list[tuple[Record, str]]) -> tuple[dict[str, list[Tokenized]], Counter]:
@@ -142,7 +163,14 @@ def tokenize(cfg: "RunConfig", tokenizer, samples: list[tuple[Record, str]]) -> 
             counts["text_chunks"] += len(chunks)
             out[split].extend(chunks)
             continue
-        t = tokenize_conversation(tokenizer, record.messages, data.last_turn_only, record.where)
+        try:
+            t = tokenize_conversation(tokenizer, record.messages, data.last_turn_only, record.where)
+        except TemplateError as e:  # e.g. a template that insists on alternating roles
+            if data.on_bad_line == "error":
+                raise ValueError(f"bad input: {record.where}: the chat template refused the conversation ({e}); "
+                                 "nothing was written. Fix the record, or pass data.on_bad_line=skip") from None
+            counts["bad_template_error"] += 1
+            continue
         if len(t.input_ids) > data.max_length:
             if data.overlong == "drop":
                 counts["dropped_overlong"] += 1
@@ -180,6 +208,8 @@ def write(out_dir: Path, splits: dict[str, list[Tokenized]], manifest: dict) -> 
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     if out_dir.exists():
         old = out_dir.with_name(out_dir.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)  # left by a run interrupted between the two renames below
         out_dir.rename(old)
         tmp.rename(out_dir)
         shutil.rmtree(old)
@@ -193,42 +223,42 @@ def split_stats(rows: list[Tokenized]) -> dict:
 
 
 def run(cfg: "RunConfig") -> dict:
-    from mtp_train.model.target import load_tokenizer
-
     data = cfg.data
     out_dir = Path(cfg.run_dir) / "data"
     if not data.sources:
         raise ValueError("data.sources is empty: the recipe must name at least one source")
     for i, src in enumerate(data.sources):
         check_exists(src, i)
-    digest = config_hash(cfg)
+    sources = source_digests(cfg)
+    digest = config_hash(cfg, sources)
     if (out_dir / "manifest.json").is_file():
         existing = json.loads((out_dir / "manifest.json").read_text())
         if existing.get("config_hash") == digest:
-            print(f"prepare: {out_dir} is up to date (same data config, seed and tokenizer); nothing to do")
+            print(f"prepare: {out_dir} is up to date (same data config, seed, tokenizer and source files); "
+                  "nothing to do")
             return existing
         if not data.overwrite:
-            raise ValueError(f"{out_dir} holds a dataset made with another config; pass data.overwrite=true to "
-                             "replace it, or use another run_dir")
+            raise ValueError(f"{out_dir} holds a dataset made from another config or other source files; pass "
+                             "data.overwrite=true to replace it, or use another run_dir")
     tokenizer = load_tokenizer(cfg.target.path)
     tokenizer.model_max_length = 1 << 30  # samples are cut to data.max_length here, not by the tokenizer
     t0 = time.perf_counter()
     samples, manifest = collect(cfg)
     regen = None
-    if data.regenerate:
+    if data.regenerate:  # before weighting, so a repeated conversation is generated once
         from mtp_train.data.regenerate import regenerate
 
-        samples, regen = regenerate(cfg, tokenizer, samples)
-    splits, counts = tokenize(cfg, tokenizer, samples)
+        rewritten, regen = regenerate(cfg, tokenizer, [(r, s) for _, r, s in samples])
+        samples = [(i, r, s) for (i, _, _), (r, s) in zip(samples, rewritten)]
+    splits, counts = tokenize(cfg, tokenizer, weigh(cfg, samples, manifest))
     splits = {name: _shuffled(rows, f"{cfg.seed}:{name}") for name, rows in splits.items()}
     if not splits["train"]:
         raise ValueError("no training samples left after reading, filtering and splitting the sources")
     seconds = time.perf_counter() - t0
     n_samples = sum(len(rows) for rows in splits.values())
     n_tokens = sum(len(r.input_ids) for rows in splits.values() for r in rows)
-    for src_report, src in zip(manifest["sources"], data.sources):
-        src_report["files"] = [{"path": str(f), "sha256": sha256_file(f)} for f in files_of(src)] \
-            if src.format not in ("stdlib", "stdlib_chat") else _stdlib_digest(src)
+    for src_report, files in zip(manifest["sources"], sources):
+        src_report["files"] = files
     manifest = {
         "format_version": FORMAT_VERSION,
         "created_by": f"mtp_train {__version__}",

@@ -92,14 +92,17 @@ def detect_format(path: Path) -> str:
 
 
 def files_of(src: SourceConfig) -> list[Path]:
-    """The files a source reads, for the manifest's checksums."""
+    """The files a source reads, for the manifest's checksums: a text directory's files with a text suffix
+    (.txt .md .rst .py), a saved dataset's files, skipping hidden ones."""
     if src.format in ("stdlib", "stdlib_chat"):
         return [f.path for f in stdlib.list_files(src.path)]
     path = Path(src.path).expanduser()
-    if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
-                                                                             p.relative_to(path).parts))
-    return [path]
+    if not path.is_dir():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
+                                                                          p.relative_to(path).parts))
+    fmt = src.format if src.format != "auto" else detect_format(path)
+    return [f for f in files if f.suffix in TEXT_SUFFIXES] if fmt == "text" else files
 
 
 def _decode(raw: bytes, where: str) -> str:
@@ -117,7 +120,7 @@ def _json_records(path: Path) -> Iterator[tuple[str, object]]:
             for n, raw in enumerate(f, start=1):
                 where = f"{path}:{n}"
                 try:
-                    line = _decode(raw, where).strip()
+                    line = _decode(raw, where).lstrip("\ufeff" if n == 1 else "").strip()  # a UTF-8 BOM
                     if line:
                         yield where, json.loads(line)
                 except BadRecord as e:
@@ -126,7 +129,7 @@ def _json_records(path: Path) -> Iterator[tuple[str, object]]:
                     yield where, BadRecord("malformed_json", where, f"malformed JSON ({e.msg} at column {e.colno})")
         return
     try:
-        data = json.loads(_decode(path.read_bytes(), str(path)))
+        data = json.loads(_decode(path.read_bytes(), str(path)).lstrip("\ufeff"))
     except BadRecord as e:
         yield str(path), e
         return

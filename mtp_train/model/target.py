@@ -3,6 +3,7 @@ numbers every later stage derives from its `config.json` (never copied into a re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass
@@ -136,6 +137,18 @@ class TargetArch:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def target_fingerprint(path: str | Path) -> str:
+    """The target's identity without reading its weights: config.json, the weight index and the weight
+    files' names and sizes."""
+    p = check_model_dir(path)
+    h = hashlib.sha256((p / "config.json").read_bytes())
+    for f in sorted(p.glob("*.safetensors.index.json")) + sorted(p.glob("*.safetensors")):
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        if f.name.endswith(".json"):
+            h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def load_tokenizer(path: str | Path, what: str = "target"):
