@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,9 +66,18 @@ DRAFT_ARCH = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, n
                   num_key_value_heads=2, tie_word_embeddings=True)
 
 
+# Llama 3's pre-tokenizer split: runs of newlines are one piece whatever follows them, so a prompt that
+# ends in "\n\n" (the generation prompt) tokenizes as a prefix of the conversation that continues it.
+# (GPT-2's split gives "\n\n" one token at the end of a string but two before a word.)
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -232,7 +241,9 @@ def write_readme(out: Path, r: dict, argv: list[str]) -> None:
     text = f"""# The embedded tiny target
 
 A small Llama-architecture target (`target/`) and draft LM (`draft/`), with their own byte-level BPE
-tokenizer ({r['vocab_size']} entries) and a Llama-3-style chat template, trained on the Python standard
+tokenizer ({r['vocab_size']} entries, Llama 3's pre-tokenizer split, so that a prompt ending in the
+generation prompt tokenizes as a prefix of the conversation that continues it) and a Llama-3-style chat
+template with `{{% generation %}}` markers, trained on the Python standard
 library's source (the interpreter's own `.py` files). They make the whole pipeline runnable offline, in
 minutes, on a CPU. Both load with `AutoModelForCausalLM.from_pretrained(path)` /
 `AutoTokenizer.from_pretrained(path)`; the weights are stored in bf16 (load with `dtype=torch.float32`

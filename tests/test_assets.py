@@ -75,6 +75,15 @@ def test_chat_template_marks_assistant_content_and_end_of_turn(tokenizer):
     assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
+def test_generation_prompt_tokenizes_as_a_prefix_of_the_conversation(tokenizer):
+    # What the target sees when asked to reply must be what it saw in training before a reply.
+    for reply in ("def f(x):\n    return x", "  indented", "42", "x = 1"):
+        conv = [{"role": "user", "content": "Write f.\n\n"}, {"role": "assistant", "content": reply}]
+        full = tokenizer.apply_chat_template(conv, tokenize=True, return_dict=False)
+        prompt = tokenizer.apply_chat_template(conv[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert full[: len(prompt)] == prompt, reply
+
+
 def test_greedy_generation_is_deterministic(target, draft, tokenizer):
     prompt = "import os\n\n\ndef "
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
