@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from mtp_train import __version__
 from mtp_train.data.chat import BadRecord, Tokenized, tokenize_conversation, tokenize_text
-from mtp_train.data.sources import Record, SourceConfig, check_exists, files_of, read_source, sha256_file
+from mtp_train.data.sources import Record, SourceConfig, check_exists, file_digests, read_source
 from mtp_train.model.target import load_tokenizer, target_fingerprint
 
 if TYPE_CHECKING:
@@ -71,12 +71,6 @@ def tokenizer_hash(path: str | Path) -> str:
         if f.is_file():
             h.update(name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
-
-
-def source_digests(cfg: "RunConfig") -> list:
-    """Each source's files with their sha256 (one digest for the built-in corpus)."""
-    return [[{"path": str(f), "sha256": sha256_file(f)} for f in files_of(src)]
-            if src.format not in ("stdlib", "stdlib_chat") else _stdlib_digest(src) for src in cfg.data.sources]
 
 
 def config_hash(cfg: "RunConfig", sources: list) -> str:
@@ -229,7 +223,7 @@ def run(cfg: "RunConfig") -> dict:
         raise ValueError("data.sources is empty: the recipe must name at least one source")
     for i, src in enumerate(data.sources):
         check_exists(src, i)
-    sources = source_digests(cfg)
+    sources = [file_digests(src) for src in data.sources]
     digest = config_hash(cfg, sources)
     if (out_dir / "manifest.json").is_file():
         existing = json.loads((out_dir / "manifest.json").read_text())
@@ -276,14 +270,6 @@ def run(cfg: "RunConfig") -> dict:
     write(out_dir, splits, manifest)
     print(format_summary(manifest, out_dir))
     return manifest
-
-
-def _stdlib_digest(src: SourceConfig) -> dict:
-    h = hashlib.sha256()
-    files = files_of(src)
-    for f in files:
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return {"corpus": f"stdlib:{src.path}", "files": len(files), "sha256": h.hexdigest()}
 
 
 def format_summary(m: dict, out_dir: Path) -> str:

@@ -105,6 +105,18 @@ def files_of(src: SourceConfig) -> list[Path]:
     return [f for f in files if f.suffix in TEXT_SUFFIXES] if fmt == "text" else files
 
 
+def file_digests(src: SourceConfig) -> list[dict] | dict:
+    """The source's files with their sha256, for the manifest and the up-to-date check (the built-in
+    corpus, hundreds of files, as one digest)."""
+    files = files_of(src)
+    if src.format not in ("stdlib", "stdlib_chat"):
+        return [{"path": str(f), "sha256": sha256_file(f)} for f in files]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return {"corpus": f"stdlib:{src.path}", "files": len(files), "sha256": h.hexdigest()}
+
+
 def _decode(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
