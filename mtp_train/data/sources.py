@@ -172,7 +172,7 @@ def read_source(src: SourceConfig) -> Iterator[Record | BadRecord]:
     if fmt == "auto":
         fmt = detect_format(path)
     if fmt == "text":
-        for f in files_of(SourceConfig(path=str(path), format="text")):
+        for f in files_of(src):
             try:
                 yield Record("text", str(f), text=_decode(f.read_bytes(), str(f)))
             except BadRecord as e:
