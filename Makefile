@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/mtp-train info recipe=tiny run_dir=$(RUN_DIR)
 	$(BIN)/mtp-train prepare recipe=tiny run_dir=$(RUN_DIR)
+	$(BIN)/mtp-train precompute recipe=tiny run_dir=$(RUN_DIR)
+	$(BIN)/mtp-train train recipe=tiny run_dir=$(RUN_DIR) resume=true
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -30,8 +30,10 @@ PIPELINE = ("prepare", "precompute", "train", "validate", "export")
 STAGES: dict[str, Stage] = {
     "prepare": Stage("conversations / text -> token ids + assistant-only loss masks (run_dir/data)",
                      "mtp_train.data.prepare:run"),
-    "precompute": Stage("run the target once over the data, store its final hidden states (run_dir/store)", None),
-    "train": Stage("fit the draft head on the stored hidden states (run_dir/checkpoints)", None),
+    "precompute": Stage("run the target once over the data, store its final hidden states (run_dir/store)",
+                        "mtp_train.store.precompute:run"),
+    "train": Stage("fit the draft head on the stored hidden states (run_dir/checkpoints)",
+                   "mtp_train.train.trainer:run"),
     "validate": Stage("teacher-forced metrics + real speculative decoding: loss, accuracy, tau (run_dir/report.json)",
                       None),
     "export": Stage("write the head in serving layouts: hf-mtp, eagle, deepseek-nextn (run_dir/export)", None),
@@ -41,20 +43,30 @@ STAGES: dict[str, Stage] = {
 }
 
 
+# Commands that take a path rather than a recipe.
+TOOLS: dict[str, str] = {
+    "verify-store": "DIR: recheck a store's checksums and counts (DIR: run_dir/store or one split); names bad shards",
+}
+
+
 class StageNotBuilt(RuntimeError):
     pass
 
 
 def usage() -> str:
-    width = max(map(len, STAGES))
+    width = max(map(len, [*STAGES, *TOOLS]))
     stages = "\n".join(f"  {name:<{width}}  {s.help}{'' if s.entry else '  [not built yet]'}"
                        for name, s in STAGES.items())
+    tools = "\n".join(f"  {name:<{width}}  {text}" for name, text in TOOLS.items())
     return f"""mtp-train {__version__}: train, validate and export speculative-decoding draft heads
 
 usage: mtp-train <stage> [recipe=<name|file.yaml>] [run_dir=<dir>] [key=value ...] [--cfg]
 
 stages:
 {stages}
+
+tools:
+{tools}
 
 recipes (recipes/*.yaml): {', '.join(available_recipes())}
   recipe defaults to 'tiny' (the embedded target); run_dir defaults to runs/<recipe>.
@@ -79,6 +91,24 @@ def run_pipeline(cfg: RunConfig) -> None:
         resolve_entry(name)(cfg)
 
 
+def verify_store_main(args: list[str]) -> int:
+    """`mtp-train verify-store DIR`: 0 when every shard is good, 1 when any is bad or DIR holds no store."""
+    text = f"usage: mtp-train verify-store DIR\n  {TOOLS['verify-store']}"
+    if args in (["-h"], ["--help"]):
+        print(text)
+        return 0
+    if len(args) != 1 or args[0].startswith("-"):
+        print(f"error: verify-store takes one directory\n{text}", file=sys.stderr)
+        return EXIT_USAGE
+    from mtp_train.store.verify import verify_store
+
+    try:
+        return 0 if verify_store(args[0]) else EXIT_FAILED
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -88,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     stage, rest = args[0], args[1:]
+    if stage == "verify-store":
+        return verify_store_main(rest)
     if stage not in STAGES:
         print(f"error: unknown stage {stage!r}; expected one of {', '.join(STAGES)}\n", file=sys.stderr)
         print(usage(), file=sys.stderr)
@@ -113,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         entry = resolve_entry(stage)
-        path = write_resolved(cfg, Path(cfg.run_dir))
-        print(f"mtp-train {stage}: recipe {cfg.recipe}, run_dir {cfg.run_dir} (config: {path})", flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun one process writes the config and speaks
+            path = write_resolved(cfg, Path(cfg.run_dir))
+            print(f"mtp-train {stage}: recipe {cfg.recipe}, run_dir {cfg.run_dir} (config: {path})", flush=True)
         entry(cfg)
     except StageNotBuilt as e:
         print(f"error: {e}", file=sys.stderr)

@@ -21,7 +21,10 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from mtp_train.data.prepare import DataConfig
 from mtp_train.info import InfoConfig
+from mtp_train.model.head import HeadConfig
 from mtp_train.model.target import TargetConfig
+from mtp_train.store.precompute import StoreConfig
+from mtp_train.train.trainer import TrainConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 ASSETS_DIR = PACKAGE_DIR / "assets"
@@ -38,6 +41,10 @@ class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     info: InfoConfig = field(default_factory=InfoConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    resume: bool = False  # train: continue from run_dir/checkpoints/latest
 
 
 class ConfigError(ValueError):

@@ -39,7 +39,8 @@ def test_unbuilt_stage_says_so_and_writes_nothing(stage, tmp_path, capsys):
 
 def test_pipeline_stops_at_the_first_unbuilt_stage(tmp_path, capsys):
     first_missing = next(s for s in PIPELINE if STAGES[s].entry is None)
-    small = ["data.sources.0.limit=2", "data.sources.1.limit=8", "data.sources.2.limit=1", "data.sources.3.limit=4"]
+    small = ["data.sources.0.limit=2", "data.sources.1.limit=8", "data.sources.2.limit=1", "data.sources.3.limit=4",
+             "train.steps=2", "train.micro_batch=2", "train.eval_every=0"]
     assert main(["pipeline", f"run_dir={tmp_path}", *small]) == EXIT_NOT_BUILT
     assert f"stage {first_missing!r} is not built yet" in capsys.readouterr().err
     assert (tmp_path / "config.yaml").is_file()
@@ -47,8 +48,8 @@ def test_pipeline_stops_at_the_first_unbuilt_stage(tmp_path, capsys):
 
 
 def test_cli_rejects_unknown_key_and_recipe(tmp_path, capsys):
-    assert main(["info", "recipe=tiny", f"run_dir={tmp_path}", "train.lr=1"]) == EXIT_USAGE
-    assert "unknown config key 'train.lr' (from the command line)" in capsys.readouterr().err
+    assert main(["info", "recipe=tiny", f"run_dir={tmp_path}", "train.learning_rate=1"]) == EXIT_USAGE
+    assert "unknown config key 'train.learning_rate' (from the command line)" in capsys.readouterr().err
     assert main(["info", "recipe=nope", f"run_dir={tmp_path}"]) == EXIT_USAGE
     assert "unknown recipe 'nope'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())

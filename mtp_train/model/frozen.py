@@ -1,0 +1,97 @@
+"""The target tensors a head shares but never trains: token embedding E, lm_head W and the final norm.
+
+They are read by key from the target's safetensors (through `model.safetensors.index.json` when the
+checkpoint is sharded), never by loading the whole target: for a 70B target that is ~4 GB instead of
+~140 GB. Tied embeddings (no `lm_head.weight`, or `tie_word_embeddings`) reuse E as W.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mtp_train.model.target import check_model_dir
+
+EMBED_KEY, LM_HEAD_KEY, NORM_KEY = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
+
+
+def weight_map(path: str | Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, for a single-file or an index-sharded checkpoint."""
+    p = check_model_dir(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            mapping = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a safetensors index (no 'weight_map'): {e}") from e
+        return {k: p / v for k, v in mapping.items()}
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {p} (the head reads the target's embedding and "
+                                "lm_head from them; convert .bin checkpoints with transformers' save_pretrained)")
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            out.update({k: f for k in sf.keys()})
+    return out
+
+
+def read_tensors(path: str | Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors only; keys absent from the checkpoint are absent from the result."""
+    from safetensors import safe_open
+
+    mapping = weight_map(path)
+    by_file: dict[Path, list[str]] = {}
+    for k in keys:
+        if k in mapping:
+            by_file.setdefault(mapping[k], []).append(k)
+    out = {}
+    for f, names in by_file.items():
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} (named by the target's weight index for {names[0]}) does not exist")
+        with safe_open(str(f), framework="pt") as sf:
+            out.update({k: sf.get_tensor(k) for k in names})
+    return out
+
+
+class FrozenTarget(nn.Module):
+    """E, W and the final norm weight, frozen. `embed(ids)` and `logits(h)` are all the head needs."""
+
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None,
+                 final_norm: torch.Tensor | None = None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        tied = lm_head_weight is None or lm_head_weight is embed_weight
+        self.tied = tied
+        self.lm_head_weight = self.embed_tokens.weight if tied else nn.Parameter(lm_head_weight, requires_grad=False)
+        self.register_buffer("final_norm", final_norm, persistent=False)
+        self.requires_grad_(False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "FrozenTarget":
+        p = check_model_dir(path)
+        config = json.loads((p / "config.json").read_text())
+        t = read_tensors(p, [EMBED_KEY, LM_HEAD_KEY, NORM_KEY])
+        if EMBED_KEY not in t:
+            raise ValueError(f"target at {p} has no {EMBED_KEY!r} in its safetensors; the head needs the "
+                             "target's token embedding")
+        tied = config.get("tie_word_embeddings", False) or LM_HEAD_KEY not in t
+        to = dict(dtype=dtype, device=device)
+        return cls(t[EMBED_KEY].to(**to), None if tied else t[LM_HEAD_KEY].to(**to),
+                   t[NORM_KEY].to(**to) if NORM_KEY in t else None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head_weight.shape[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, H]
+        return self.embed_tokens(ids)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
+        return h @ self.lm_head_weight.T

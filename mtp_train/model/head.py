@@ -1,0 +1,218 @@
+"""The draft head: one implementation, used by training, validation and inference.
+
+Variant `mtp` (default; DESIGN §3), the RMSNorm-restored single decoder layer of DeepSeek-V3's MTP module
+and transformers' `MtpLayer`:
+
+    u_i = eh_proj([enorm(E[x_{i+1}]); hnorm(h_i)])     2H -> H, no bias, embedding first
+    z   = mtp_block(u)                                 the target's own decoder-layer class, both norms,
+                                                       causal attention with its own KV cache
+    ĥ_i = post_norm(z_i)                               the estimate of h_{i+1}; q_i = softmax(W ĥ_i)
+
+Variant `eagle1`, the original EAGLE head kept as an ablation and export option: `fc([E[x]; h])` into the
+decoder layer with its input norm removed and no final norm (ĥ = z).
+
+The pair (h_i, x_{i+1}) sits at position i+1 (rotary embeddings, KV cache), as in transformers' MTP
+generation. The frozen target tensors (embedding E, lm_head W) are not part of this module: the caller
+embeds tokens with `FrozenTarget` and passes the embeddings in, so head checkpoints and optimizers only
+ever hold the head's own weights.
+
+Chains (depth D > 1): step j at anchor i consumes the head's own ĥ from step j-1 and the true token
+x_{i+1+j} at position i+1+j. At inference the head's KV cache then holds keys made from target features
+for every position up to the anchor, plus the chain's own keys from steps 1..j; `unrolled` reproduces
+exactly that attention pattern for all anchors at once, through the same cache and mask path that the
+step-by-step drafter uses (`tests/test_head.py` checks the two agree).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+VARIANTS = ("mtp", "eagle1")
+
+# model_type -> (modeling module, decoder layer, rotary embedding, RMSNorm). Named explicitly: a family is
+# supported when its decoder layer has been checked to accept (hidden, mask, cache, position_embeddings).
+FAMILIES = {
+    "llama": ("llama", "LlamaDecoderLayer", "LlamaRotaryEmbedding", "LlamaRMSNorm"),
+    "qwen2": ("qwen2", "Qwen2DecoderLayer", "Qwen2RotaryEmbedding", "Qwen2RMSNorm"),
+    "qwen3": ("qwen3", "Qwen3DecoderLayer", "Qwen3RotaryEmbedding", "Qwen3RMSNorm"),
+    "deepseek_v2": ("deepseek_v2", "DeepseekV2DecoderLayer", "DeepseekV2RotaryEmbedding", "DeepseekV2RMSNorm"),
+}
+
+
+@dataclass
+class HeadConfig:
+    variant: str = "mtp"  # mtp | eagle1
+    fc_bias: bool = True  # eagle1's fc has a bias in the original EAGLE; mtp's eh_proj never does
+    attn_implementation: str = "sdpa"  # sdpa | eager (the head always passes an explicit mask)
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"head.variant={self.variant!r}: expected one of {', '.join(VARIANTS)}")
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"head.attn_implementation={self.attn_implementation!r}: expected sdpa or eager "
+                             "(the head's training-time attention pattern needs an explicit mask)")
+
+
+def family_classes(model_type: str) -> tuple[type, type, type]:
+    if model_type not in FAMILIES:
+        raise ValueError(f"target model_type {model_type!r} is not supported by the head; supported: "
+                         f"{', '.join(FAMILIES)}")
+    module, layer, rotary, norm = FAMILIES[model_type]
+    mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    return getattr(mod, layer), getattr(mod, rotary), getattr(mod, norm)
+
+
+def head_config_for(target_config, cfg: HeadConfig):
+    """A copy of the target's transformers config that builds a one-layer, dense head."""
+    c = target_config.__class__.from_dict(target_config.to_dict())
+    c._attn_implementation = cfg.attn_implementation
+    c.num_hidden_layers = 1
+    c.use_cache = True
+    if target_config.model_type == "deepseek_v2":
+        c.first_k_dense_replace = 1  # layer 0 gets DeepSeek-V2's dense MLP (intermediate_size), not the MoE
+    if getattr(c, "layer_types", None):
+        c.layer_types = ["full_attention"]  # a sliding window would change what the chain can see
+    return c
+
+
+class HeadCache:
+    """The head's KV cache: one layer, keys and values appended in call order, croppable.
+
+    Implements the `update` that transformers' attention modules call. Entries are kept in the order they
+    were written, which is also the key order the attention masks below are built for.
+    """
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(self, keys, values, layer_idx=0, *args, **kwargs):  # [B, heads, S, d] each
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=-2)
+            self.values = torch.cat([self.values, values], dim=-2)
+        return self.keys, self.values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` entries (drop rejected drafts)."""
+        if self.keys is not None:
+            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep, in order, the entries at `index` (a 1-D LongTensor of cache positions)."""
+        if self.keys is not None:
+            self.keys = self.keys.index_select(-2, index)
+            self.values = self.values.index_select(-2, index)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [B, 1, Q, K] (True = may attend) -> additive float mask (0 / most negative)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)
+
+
+class DraftHead(nn.Module):
+    """The trainable head. Parameter names follow transformers' MtpLayer (`enorm`, `hnorm`, `eh_proj`,
+    `mtp_block.*`, `post_norm`) for `mtp`, and `fc`, `mtp_block.*` for `eagle1`."""
+
+    def __init__(self, target_config, cfg: HeadConfig | None = None):
+        super().__init__()
+        cfg = cfg or HeadConfig()
+        self.cfg = cfg
+        self.config = head_config_for(target_config, cfg)
+        layer_cls, rotary_cls, norm_cls = family_classes(target_config.model_type)
+        H, eps = self.config.hidden_size, self.config.rms_norm_eps
+        self.hidden_size = H
+        if cfg.variant == "mtp":
+            self.enorm = norm_cls(H, eps=eps)
+            self.hnorm = norm_cls(H, eps=eps)
+            self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        else:
+            self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
+        self.mtp_block = layer_cls(self.config, layer_idx=0)
+        if cfg.variant == "eagle1":
+            self.mtp_block.input_layernorm = nn.Identity()
+        self.post_norm = norm_cls(H, eps=eps) if cfg.variant == "mtp" else None
+        self.rotary_emb = rotary_cls(config=self.config)  # buffers only, not persistent
+        # transformers renamed the decoder layer's cache argument (past_key_values -> cache)
+        params = inspect.signature(layer_cls.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor, cache: HeadCache | None = None) -> torch.Tensor:
+        """token_embeds E[x_{i+1}] [B, T, H], hidden h_i (or the head's ĥ) [B, T, H], position_ids [B, T],
+        attention_mask additive [B, 1, T, S] over the cache's S entries after this call -> ĥ [B, T, H]."""
+        if self.cfg.variant == "mtp":
+            u = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
+        else:
+            u = self.fc(torch.cat([token_embeds, hidden], dim=-1))
+        position_embeddings = self.rotary_emb(u, position_ids)
+        before = cache.get_seq_length() if cache is not None else 0
+        z = self.mtp_block(u, attention_mask=attention_mask, position_ids=position_ids,
+                           position_embeddings=position_embeddings, **{self._cache_kw: cache})
+        if cache is not None and cache.get_seq_length() != before + u.shape[1]:
+            raise RuntimeError(f"{type(self.mtp_block).__name__} did not write the head's KV cache (passed as "
+                               f"{self._cache_kw!r}); this transformers version calls it differently")
+        if isinstance(z, tuple):  # older decoder layers return (hidden_states, ...)
+            z = z[0]
+        return self.post_norm(z) if self.post_norm is not None else z
+
+    def init_from_target(self, frozen) -> None:
+        """Start `post_norm` from the target's final norm (the head's ĥ then lives where h does)."""
+        if self.post_norm is not None and frozen.final_norm is not None:
+            with torch.no_grad():
+                self.post_norm.weight.copy_(frozen.final_norm.to(self.post_norm.weight))
+
+
+def chain_masks(valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask for unrolled step `step` over T anchors: keys are [step-0 block | step-1 | ...].
+
+    valid [B, T] marks real (non-padding) anchors. The step-0 block is causal over anchors (keys from target
+    features up to the anchor); each later block is the anchor's own chain entry (the diagonal).
+    Returns [B, 1, T, (step+1)*T].
+    """
+    B, T = valid.shape
+    idx = torch.arange(T, device=valid.device)
+    causal = idx[None, :] <= idx[:, None]  # [T, T]: anchor i sees k <= i
+    blocks = [causal] + [torch.eye(T, dtype=torch.bool, device=valid.device)] * step
+    allowed = torch.cat(blocks, dim=1)[None, None] & valid.repeat(1, step + 1)[:, None, None, :]
+    return additive_mask(allowed, dtype)
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, i] <- x[:, i + n], filled past the end. Works on [B, T] and [B, T, H]."""
+    if n == 0:
+        return x
+    out = torch.full_like(x, fill)
+    out[:, :-n] = x[:, n:]
+    return out
+
+
+def unrolled(head: DraftHead, embed, hidden: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
+             depth: int) -> list[torch.Tensor]:
+    """The training forward for all anchors at once, `depth` steps deep.
+
+    hidden [B, T, H] are the target's h, input_ids [B, T], lengths [B] real tokens per row (right padding).
+    `embed` maps ids to the frozen embeddings. Returns [ĥ_0, ..., ĥ_{depth-1}], each [B, T, H], where
+    ĥ_j[:, i] is the head's estimate of h_{i+1+j} for the chain anchored at i (valid where i+1+j < length).
+    """
+    B, T, _ = hidden.shape
+    pos = torch.arange(T, device=hidden.device)[None].expand(B, T)
+    valid = pos < lengths[:, None]
+    cache = HeadCache()
+    outputs, h = [], hidden
+    for j in range(depth):
+        tokens = shift_left(input_ids, 1 + j)  # x_{i+1+j}
+        mask = chain_masks(valid, j, hidden.dtype)
+        h = head(embed(tokens), h, pos + 1 + j, mask, cache)
+        outputs.append(h)
+    return outputs

@@ -1,0 +1,75 @@
+"""Batches from the hidden-state store: length-bucketed, deterministic per (seed, epoch), split across ranks.
+
+An epoch's order: a seeded permutation of the samples, cut into windows of `bucket` micro-batches, sorted by
+length inside each window (so a micro-batch pads little), cut into micro-batches, and the micro-batches
+shuffled. Global micro-batch g goes to rank g % world, so ranks never share a sample; the list is trimmed
+to whole optimizer steps (world × grad_accum micro-batches), so every rank takes the same number of steps.
+The position in the data is (epoch, micro-batches consumed by this rank), which is what a checkpoint saves.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+
+def epoch_batches(lengths: Sequence[int], micro_batch: int, seed: int, epoch: int, bucket: int = 32) -> list[list[int]]:
+    """All micro-batches of one epoch (global order), each a list of sample indices."""
+    rng = random.Random(f"{seed}:{epoch}")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = micro_batch * max(1, bucket)
+    batches = []
+    for s in range(0, len(order), window):
+        chunk = sorted(order[s:s + window], key=lambda i: (lengths[i], i))
+        batches += [chunk[k:k + micro_batch] for k in range(0, len(chunk), micro_batch)]
+    batches = [b for b in batches if len(b) == micro_batch]  # equal micro-batches: same global batch everywhere
+    rng.shuffle(batches)
+    return batches
+
+
+def rank_batches(lengths: Sequence[int], micro_batch: int, seed: int, epoch: int, rank: int, world: int,
+                 grad_accum: int, bucket: int = 32) -> list[list[int]]:
+    """This rank's micro-batches for an epoch, trimmed to whole optimizer steps."""
+    batches = epoch_batches(lengths, micro_batch, seed, epoch, bucket)
+    per_step = world * grad_accum
+    batches = batches[: len(batches) // per_step * per_step]
+    return batches[rank::world]
+
+
+def steps_per_epoch(n_samples: int, micro_batch: int, world: int, grad_accum: int) -> int:
+    return (n_samples // micro_batch) // (world * grad_accum)
+
+
+class Collate:
+    """Reads a micro-batch from the store and right-pads it: hidden [B, T, H] (float32), input_ids [B, T],
+    loss_mask [B, T] bool, lengths [B]."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        samples = [self.reader[i] for i in indices]
+        T = max(s["input_ids"].shape[0] for s in samples)
+        H = samples[0]["hidden"].shape[-1]
+        B = len(samples)
+        out = {"hidden": torch.zeros(B, T, H), "input_ids": torch.zeros(B, T, dtype=torch.long),
+               "loss_mask": torch.zeros(B, T, dtype=torch.bool), "lengths": torch.zeros(B, dtype=torch.long)}
+        for b, s in enumerate(samples):
+            n = s["input_ids"].shape[0]
+            out["hidden"][b, :n] = s["hidden"]
+            out["input_ids"][b, :n] = s["input_ids"]
+            out["loss_mask"][b, :n] = s["loss_mask"].bool()
+            out["lengths"][b] = n
+        return out
+
+
+def loader(reader, batches: list[list[int]], num_workers: int = 0):
+    """Iterate collated micro-batches in the given order (workers prefetch; order is kept)."""
+    # its own generator: a DataLoader otherwise draws its base seed from the global RNG, which would make a
+    # resumed run's random stream differ from an uninterrupted one
+    return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False, collate_fn=Collate(reader),
+                                       num_workers=num_workers, persistent_workers=False,
+                                       generator=torch.Generator().manual_seed(0))

@@ -1,0 +1,389 @@
+"""The trainer: one for every head variant. `mtp-train train` calls `run(cfg)`.
+
+Reads `run_dir/store/{train,val}` (made by precompute from this run's target and tokenizer; another store
+is refused), builds the head from the target's config.json and its frozen E / W / final norm read by key,
+and fits it with AdamW, linear warm-up + cosine decay, gradient clipping and accumulation, fp32 or bf16
+autocast. Validation every `eval_every` steps and at the start (the untrained head, for comparison) and
+the end. Checkpoints every `save_every` steps resume exactly (`resume=true`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from mtp_train.model.frozen import FrozenTarget
+from mtp_train.model.head import DraftHead, unrolled
+from mtp_train.train import checkpoint as ckpt
+from mtp_train.train.data import loader, rank_batches, steps_per_epoch
+from mtp_train.train.log import MetricsLogger
+from mtp_train.train.loss import LossConfig, head_loss
+
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    depth: int = 1  # unrolled draft steps per anchor (1 = single-token MTP)
+    seed: int | None = None  # head init and data order; None = the run's seed (which also shapes prepare)
+    micro_batch: int = 8  # samples per rank per forward
+    grad_accum: int = 1
+    steps: int = 0  # optimizer steps; 0 = `epochs` passes over the data
+    epochs: float = 1.0
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    precision: str = "fp32"  # fp32 | bf16 (autocast; weights and optimizer stay fp32)
+    eval_every: int = 100  # steps; 0 = only at start and end
+    eval_batches: int = 0  # val micro-batches per periodic evaluation (0 = all); start and end use all
+    save_every: int = 200  # steps; 0 = only at the end
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    num_workers: int = 0  # DataLoader workers reading the store
+    bucket: int = 32  # micro-batches per length-sorting window
+    wandb_project: str = ""  # empty: no wandb (metrics.jsonl and the console always)
+    wandb_name: str = ""
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "micro_batch", "grad_accum", "log_every", "bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1")
+        for name in ("steps", "warmup_steps", "eval_every", "eval_batches", "save_every", "num_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 0")
+        if self.steps == 0 and self.epochs <= 0:
+            raise ValueError("train.steps=0 needs train.epochs > 0")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.lr={self.lr} must be > 0 and train.min_lr_ratio={self.min_lr_ratio} in [0, 1]")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision={self.precision!r}: expected one of {', '.join(PRECISIONS)}")
+        if len(self.betas) != 2:
+            raise ValueError(f"train.betas={self.betas}: expected two numbers")
+
+
+class TrainingDiverged(ValueError):
+    pass
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine to `min_ratio` at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def init_head_weights(head: DraftHead, std: float) -> None:
+    """Linear weights ~ N(0, std) (the target's initializer_range), biases 0; norms stay at 1."""
+    for module in head.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+
+
+def build_head(target_path: str, head_cfg, device, seed: int,
+               frozen_dtype: torch.dtype = torch.float32) -> tuple[DraftHead, FrozenTarget, object]:
+    """The head (seeded init, post_norm from the target's final norm) and the frozen target tensors, both
+    on `device`. The frozen tensors are kept in `frozen_dtype` (bf16 halves them: 2 GB each at 70B)."""
+    from transformers import AutoConfig
+
+    target_config = AutoConfig.from_pretrained(target_path)
+    torch.manual_seed(seed)
+    head = DraftHead(target_config, head_cfg)
+    init_head_weights(head, getattr(target_config, "initializer_range", 0.02))
+    frozen = FrozenTarget.from_pretrained(target_path, dtype=frozen_dtype, device="cpu")
+    head.init_from_target(frozen)
+    return head.to(device), frozen.to(device), target_config
+
+
+def evaluate(head: DraftHead, frozen: FrozenTarget, batches, depth: int, loss_cfg: LossConfig, device,
+             autocast) -> dict[str, float]:
+    """Teacher-forced validation metrics, weighted by counted positions over all batches."""
+    sums: dict[str, float] = {}
+    counts: dict[int, int] = {}
+    was_training = head.training
+    head.eval()
+    with torch.no_grad():
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with autocast():
+                outs = unrolled(head, frozen.embed, batch["hidden"], batch["input_ids"], batch["lengths"], depth)
+            _, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
+                             frozen.lm_head_weight, loss_cfg)
+            for k in range(1, depth + 1):
+                n = m[f"d{k}/n"]
+                counts[k] = counts.get(k, 0) + n
+                for key in ("feat", "ce", "acc", "accept"):
+                    if f"d{k}/{key}" in m:
+                        sums[f"d{k}/{key}"] = sums.get(f"d{k}/{key}", 0.0) + m[f"d{k}/{key}"] * n
+    head.train(was_training)
+    out = {k: v / max(1, counts[int(k[1:].split("/")[0])]) for k, v in sums.items()}
+    out.update({f"d{k}/n": n for k, n in counts.items()})
+    return out
+
+
+def format_eval(m: dict, depth: int) -> str:
+    return "  ".join(f"d{k} acc {m.get(f'd{k}/acc', 0):.3f} accept {m.get(f'd{k}/accept', 0):.3f}"
+                     for k in range(1, depth + 1))
+
+
+class Trainer:
+    def __init__(self, cfg, *, rank: int = 0, world: int = 1):
+        from mtp_train.config import to_yaml
+        from mtp_train.model.target import resolve_device
+        from mtp_train.store.reader import StoreReader
+
+        self.cfg, self.tc, self.rank, self.world = cfg, cfg.train, rank, world
+        self.run_dir = Path(cfg.run_dir)
+        self.device = resolve_device(cfg.target.device)
+        if self.tc.precision == "bf16" and self.device.type == "cpu":
+            print("train: bf16 autocast on CPU is 20-30x slower than fp32 here; use train.precision=fp32 on CPUs")
+        store = self.run_dir / "store"
+        for split in ("train", "val"):
+            if not (store / split / "manifest.json").is_file():
+                raise FileNotFoundError(f"no hidden-state store at {store / split}: run `mtp-train precompute` "
+                                        f"with the same recipe and run_dir={self.run_dir} first")
+        self.train_store, self.val_store = StoreReader(store / "train"), StoreReader(store / "val")
+        data_manifest = self.run_dir / "data" / "manifest.json"
+        for reader in (self.train_store, self.val_store):  # another target, tokenizer or dataset: refused
+            reader.check_identity(target_path=cfg.target.path, tokenizer_path=cfg.target.path,
+                                  data_manifest=data_manifest if data_manifest.is_file() else None)
+        self.seed = cfg.seed if self.tc.seed is None else self.tc.seed
+        frozen_dtype = torch.bfloat16 if self.tc.precision == "bf16" else torch.float32
+        self.head, self.frozen, self.target_config = build_head(cfg.target.path, cfg.head, self.device, self.seed,
+                                                                frozen_dtype)
+        if self.head.hidden_size != self.train_store.hidden_size:
+            raise ValueError(f"store {store / 'train'} holds hidden size {self.train_store.hidden_size}, the target "
+                             f"{cfg.target.path} has {self.head.hidden_size}")
+        tc = self.tc
+        self.steps_per_epoch = steps_per_epoch(len(self.train_store), tc.micro_batch, world, tc.grad_accum)
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{len(self.train_store)} training samples make no full step of "
+                             f"train.micro_batch={tc.micro_batch} x train.grad_accum={tc.grad_accum} x {world} "
+                             "ranks; lower them or prepare more data")
+        self.total_steps = tc.steps or max(1, round(tc.epochs * self.steps_per_epoch))
+        decay = [p for n, p in self.head.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.head.named_parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=tc.lr, betas=tuple(tc.betas), eps=1e-8)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, tc.warmup_steps, self.total_steps, tc.min_lr_ratio))
+        self.config_yaml = to_yaml(cfg)
+        self.step, self.epoch, self.consumed = 0, 0, 0  # optimizer steps; data position (epoch, micro-batches)
+        self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) \
+            if tc.precision == "bf16" else nullcontext
+        self.ckpt_root = ckpt.checkpoint_root(self.run_dir)
+        self.resumed_from, self.resumed_step = None, None
+        if cfg.resume:
+            self._resume()
+        elif ckpt.checkpoints(self.ckpt_root) or (self.ckpt_root / ckpt.LATEST).exists():
+            raise ValueError(f"{self.ckpt_root} already holds checkpoints: pass resume=true to continue that run, "
+                             "or use another run_dir")
+        resumed = self.resumed_from is not None
+        self.log = MetricsLogger(self.run_dir, enabled=rank == 0, wandb_project=tc.wandb_project,
+                                 wandb_name=tc.wandb_name or cfg.run_dir, config=_plain(cfg), resume=resumed,
+                                 resume_step=self.step)
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def head_meta(self) -> dict:
+        from mtp_train.model.target import target_fingerprint
+
+        return {"variant": self.cfg.head.variant, "head": asdict(self.cfg.head),
+                "target_path": str(Path(self.cfg.target.path).resolve()),
+                "target_fingerprint": target_fingerprint(self.cfg.target.path),
+                "target_config": self.target_config.to_dict(), "step": self.step,
+                "depth": self.tc.depth}
+
+    def data_settings(self) -> dict:
+        """What the data position means: a resume with other values would read other samples."""
+        tc = self.tc
+        return {"micro_batch": tc.micro_batch, "grad_accum": tc.grad_accum, "bucket": tc.bucket, "seed": self.seed,
+                "world": self.world, "train_samples": len(self.train_store)}
+
+    def save(self) -> Path | None:
+        if self.rank != 0:
+            return None
+        if self.resumed_from is not None and self.step == self.resumed_step:
+            return self.resumed_from  # nothing trained since: the checkpoint on disk is this state
+        state = {"step": self.step, "epoch": self.epoch, "consumed": self.consumed,
+                 "scheduler": self.scheduler.state_dict(), "total_steps": self.total_steps,
+                 "data": self.data_settings()}
+        return ckpt.save(self.ckpt_root, self.step, self.head.state_dict(), self.head_meta(),
+                         self.optimizer.state_dict(), state, self.config_yaml, keep=self.tc.keep_checkpoints)
+
+    def _resume(self) -> None:
+        from mtp_train.model.target import target_fingerprint
+
+        path = ckpt.latest(self.ckpt_root)
+        if path is None:
+            print(f"train: resume=true but {self.ckpt_root} holds no checkpoint; starting from step 0")
+            return
+        meta = ckpt.load_meta(path)
+        mine = target_fingerprint(self.cfg.target.path)
+        if meta["target_fingerprint"] != mine or meta["variant"] != self.cfg.head.variant:
+            raise ValueError(f"checkpoint {path} was trained for target {meta['target_path']} (variant "
+                             f"{meta['variant']}); this run has target {self.cfg.target.path} (variant "
+                             f"{self.cfg.head.variant}): use another run_dir")
+        optimizer, state = ckpt.load_states(path)
+        saved, now = state.get("data", {}), self.data_settings()
+        changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        if changed:
+            what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+            raise ValueError(f"checkpoint {path} was saved with other data settings ({what}): its data position "
+                             "would point at other samples. Resume with the same settings, or start a new run_dir")
+        if state["total_steps"] != self.total_steps:
+            print(f"train: the checkpoint's run planned {state['total_steps']} steps, this one {self.total_steps}: "
+                  "the learning-rate schedule follows the new total from here")
+        later = [p.name for p in ckpt.checkpoints(self.ckpt_root) if ckpt.step_of(p) > state["step"]]
+        if later:
+            print(f"train: {', '.join(later)} come after {path.name}, which `latest` names; this run replaces them "
+                  "as it reaches their steps")
+        self.head.load_state_dict(ckpt.load_head_state(path))
+        self.optimizer.load_state_dict(optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
+        ckpt.set_rng_state(state["rng"])
+        self.resumed_from, self.resumed_step = path, self.step
+        print(f"train: resumed from {path} (step {self.step}, epoch {self.epoch}, micro-batch {self.consumed})")
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def val_batches(self, full: bool):
+        """Every val sample once, in length order (little padding); this rank's share."""
+        lengths = self.val_store.lengths
+        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+        mb = self.tc.micro_batch
+        batches = [order[k:k + mb] for k in range(0, len(order), mb)]
+        if self.tc.eval_batches and not full:
+            batches = batches[:: max(1, len(batches) // self.tc.eval_batches)][: self.tc.eval_batches]
+        return loader(self.val_store, batches[self.rank::self.world])
+
+    def validate(self, full: bool = True) -> dict[str, float]:
+        m = evaluate(self.head, self.frozen, self.val_batches(full), self.tc.depth, self.tc.loss, self.device,
+                     self.autocast)
+        self.log.log({f"val/{k}": v for k, v in m.items()}, self.step,
+                     console=f"val step {self.step}: {format_eval(m, self.tc.depth)}")
+        return m
+
+    def micro_batches(self):
+        """This rank's micro-batches from the current data position on, across epochs, forever."""
+        tc = self.tc
+        while True:
+            batches = rank_batches(self.train_store.lengths, tc.micro_batch, self.seed, self.epoch,
+                                   self.rank, self.world, tc.grad_accum, tc.bucket)
+            for batch in loader(self.train_store, batches[self.consumed:], tc.num_workers):
+                self.consumed += 1
+                yield batch
+            self.epoch, self.consumed = self.epoch + 1, 0
+
+    def train_step(self, micro) -> dict[str, float]:
+        """One optimizer step over grad_accum micro-batches; returns the averaged metrics."""
+        tc = self.tc
+        totals: dict[str, float] = {}
+        seen: dict[str, int] = {}
+        tokens = 0
+        for _ in range(tc.grad_accum):
+            batch = {k: v.to(self.device) for k, v in next(micro).items()}
+            with self.autocast():
+                outs = unrolled(self.head, self.frozen.embed, batch["hidden"], batch["input_ids"], batch["lengths"],
+                                tc.depth)
+            loss, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
+                                self.frozen.lm_head_weight, tc.loss)
+            if not torch.isfinite(loss):
+                last = ckpt.latest(self.ckpt_root)
+                raise TrainingDiverged(
+                    f"loss is {loss.item()} at step {self.step + 1} (epoch {self.epoch}, micro-batch "
+                    f"{self.consumed - 1}); the last good checkpoint is {last or 'none (none was saved yet)'}. "
+                    "Check the store (mtp-train verify-store) or lower train.lr")
+            (loss / tc.grad_accum).backward()
+            tokens += int(batch["lengths"].sum())
+            for k, v in m.items():  # summed here, averaged over the micro-batches that had the key below
+                totals[k] = totals.get(k, 0.0) + v
+                seen[k] = seen.get(k, 0) + 1
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(),
+                                                   tc.max_grad_norm if tc.max_grad_norm > 0 else float("inf"))
+        if not torch.isfinite(grad_norm):
+            last = ckpt.latest(self.ckpt_root)
+            raise TrainingDiverged(f"gradient norm is {grad_norm.item()} at step {self.step + 1}; the last good "
+                                   f"checkpoint is {last or 'none'}")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        totals = {k: v if k.endswith("/n") else v / seen[k] for k, v in totals.items()}
+        totals.update({"grad_norm": grad_norm.item(), "lr": self.scheduler.get_last_lr()[0], "tokens": tokens})
+        return totals
+
+    def fit(self) -> dict:
+        from tqdm import tqdm
+
+        tc = self.tc
+        n_params = sum(p.numel() for p in self.head.parameters())
+        if self.rank == 0:
+            print(f"train: head {self.cfg.head.variant} ({n_params:,} trainable parameters), depth {tc.depth}, "
+                  f"{len(self.train_store):,} train samples, {self.steps_per_epoch} steps/epoch, "
+                  f"{self.total_steps} steps, lr {tc.lr}, {tc.precision} on {self.device}")
+        start = self.validate() if self.step == 0 else None
+        micro = self.micro_batches()
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
+                   dynamic_ncols=True)
+        t0, tokens, last = time.perf_counter(), 0, {}
+        try:
+            while self.step < self.total_steps:
+                m = self.train_step(micro)
+                tokens += m["tokens"] * self.world
+                rate = tokens / max(1e-9, time.perf_counter() - t0)
+                bar.update(1)
+                bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m.get('d1/acc', 0):.3f}", tok_s=f"{rate:,.0f}")
+                if self.step % tc.log_every == 0 or self.step == self.total_steps:
+                    self.log.log({**{f"train/{k}": v for k, v in m.items()}, "epoch": self.epoch,
+                                  "tokens_per_s": rate}, self.step)
+                if tc.eval_every and self.step % tc.eval_every == 0 and self.step < self.total_steps:
+                    self.validate(full=False)
+                if tc.save_every and self.step % tc.save_every == 0 and self.step < self.total_steps:
+                    self.save()
+                last = m
+            bar.close()
+            final = self.validate()
+            path = self.save()
+        finally:
+            bar.close()
+            self.log.close()
+        summary = {"steps": self.step, "final": final, "start": start, "checkpoint": str(path) if path else None,
+                   "last_train": last}
+        if self.rank == 0:
+            print(format_summary(summary, tc.depth))
+        return summary
+
+
+def format_summary(s: dict, depth: int) -> str:
+    lines = [f"train: {s['steps']} steps; checkpoint {s['checkpoint']}",
+             f"  {'depth':<6}{'val acc':>10}{'accept':>10}{'(untrained acc':>16}{'accept)':>9}"]
+    for k in range(1, depth + 1):
+        f, st = s["final"], s["start"] or {}
+        before = (f"{st[f'd{k}/acc']:>16.3f}{st[f'd{k}/accept']:>9.3f}" if f"d{k}/acc" in st else "")
+        lines.append(f"  {k:<6}{f.get(f'd{k}/acc', 0):>10.3f}{f.get(f'd{k}/accept', 0):>10.3f}{before}")
+    return "\n".join(lines)
+
+
+def _plain(cfg) -> dict:
+    return asdict(cfg)
+
+
+def run(cfg) -> dict:
+    """`mtp-train train`: single process here; torchrun ranks are set up by the distributed wrapper."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        raise ValueError("train under torchrun (WORLD_SIZE > 1) is not built yet: run it as one process")
+    return Trainer(cfg, rank=rank, world=world).fit()

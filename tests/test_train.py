@@ -1,0 +1,237 @@
+"""The trainer on small stores made from the tiny target: it learns, leaves the frozen tensors alone,
+resumes exactly, stops on NaN keeping the last good checkpoint, and refuses another target's store."""
+
+import json
+
+import pytest
+import torch
+
+from mtp_train.config import compose
+from mtp_train.data.stdlib import list_files
+from mtp_train.model.frozen import FrozenTarget
+from mtp_train.model.target import TargetConfig, load_causal_lm, load_tokenizer
+from mtp_train.store.format import identity_for, write_split
+from mtp_train.train import checkpoint as ckpt
+from mtp_train.train.trainer import Trainer, TrainingDiverged
+
+T = 48
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_dir):
+    """64 windows of T tokens of head-train stdlib code with the tiny target's hidden states after its norm;
+    the first 48 train, the last 16 validate. Tokens of the first 8 positions are not trainable."""
+    target = tiny_dir / "target"
+    tok = load_tokenizer(target)
+    model = load_causal_lm(target, TargetConfig(path=str(target), dtype="float32", device="cpu"))
+    ids = []
+    for f in list_files("head-train")[:40]:
+        toks = tok(f.read(), add_special_tokens=False)["input_ids"]
+        ids += [toks[k:k + T] for k in range(0, len(toks) - T, T * 3)][:2]
+    ids = torch.tensor(ids[:64])
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1]
+    out = []
+    for i in range(len(ids)):
+        n = T - (i % 5) * 3  # different lengths: padded batches
+        mask = torch.ones(n, dtype=torch.int8)
+        mask[:8] = 0
+        out.append({"hidden": hidden[i, :n].clone(), "input_ids": ids[i, :n].clone(), "loss_mask": mask})
+    return out
+
+
+def make_store(run_dir, samples, target, n_train=48):
+    identity = identity_for(target)
+    write_split(run_dir / "store" / "train", samples[:n_train], identity=identity)
+    write_split(run_dir / "store" / "val", samples[48:], identity=identity)
+
+
+def config(run_dir, *overrides):
+    return compose("tiny", [f"run_dir={run_dir}", "train.micro_batch=8", "train.warmup_steps=2",
+                            "train.eval_every=0", "train.log_every=1", *overrides])
+
+
+@pytest.fixture
+def run_dir(tmp_path, samples, tiny_dir):
+    make_store(tmp_path, samples, tiny_dir / "target")
+    return tmp_path
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "train/loss" in r]
+    assert len(steps) == len(set(steps)), f"a step logged twice: {steps}"
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+@pytest.mark.parametrize("variant", ["mtp", "eagle1"])
+def test_training_beats_the_untrained_head(run_dir, variant):
+    cfg = config(run_dir, f"head.variant={variant}", "train.steps=36", "train.lr=2e-3", "train.depth=2")
+    summary = Trainer(cfg).fit()
+    start, final = summary["start"], summary["final"]
+    assert final["d1/acc"] > start["d1/acc"] + 0.15
+    assert final["d1/accept"] > start["d1/accept"] + 0.15
+    assert final["d2/acc"] > start["d2/acc"] + 0.05
+    assert final["d1/ce"] < start["d1/ce"]
+    # the checkpoint holds the head's own weights only
+    path = ckpt.latest(run_dir / "checkpoints")
+    state = ckpt.load_head_state(path)
+    assert not any("embed" in k or "lm_head" in k for k in state)
+    head_keys = {"mtp": "eh_proj.weight", "eagle1": "fc.weight"}[variant]
+    assert head_keys in state
+    meta = ckpt.load_meta(path)
+    assert meta["variant"] == variant and meta["step"] == 36
+
+
+def test_frozen_tensors_untouched_by_steps(run_dir, tiny_dir):
+    trainer = Trainer(config(run_dir, "train.steps=3", "train.lr=1e-2", "train.save_every=0"))
+    before = {k: v.clone() for k, v in trainer.frozen.state_dict().items()}
+    optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in optimized for p in trainer.frozen.parameters())
+    trainer.fit()
+    for k, v in trainer.frozen.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    on_disk = FrozenTarget.from_pretrained(tiny_dir / "target")
+    assert torch.equal(trainer.frozen.embed_tokens.weight, on_disk.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("save_every,position", [(4, (4, 0, 8)), (5, (5, 0, 10))])
+def test_resume_is_exact(tmp_path, samples, tiny_dir, monkeypatch, save_every, position):
+    """Killed before step 7 (steps after the checkpoint already logged), resumed from the checkpoint
+    mid-epoch or at the epoch's end: the losses of every step and the final weights equal those of an
+    uninterrupted run, bit for bit."""
+    args = ("train.steps=8", f"train.save_every={save_every}", "train.grad_accum=2", "train.micro_batch=4", "train.depth=2",
+            "train.lr=1e-3")
+    clean, broken = tmp_path / "clean", tmp_path / "broken"
+    for d in (clean, broken):
+        make_store(d, samples, tiny_dir / "target", n_train=40)  # 10 micro-batches: epochs roll over
+    Trainer(config(clean, *args)).fit()
+
+    real_step = Trainer.train_step
+
+    def dies_after_5(self, micro):  # steps 5 and 6 run and are logged after the checkpoint of step 4
+        if self.step == 6:
+            raise KeyboardInterrupt("killed")
+        return real_step(self, micro)
+
+    monkeypatch.setattr(Trainer, "train_step", dies_after_5)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(config(broken, *args)).fit()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert (broken / "checkpoints" / "latest").read_text().strip() == f"step-{save_every:06d}"
+    resumed = Trainer(config(broken, *args, "resume=true"))
+    assert (resumed.step, resumed.epoch, resumed.consumed) == position  # an epoch is 5 steps here
+    resumed.fit()
+    a, b = losses(clean), losses(broken)
+    assert [a[s] for s in range(1, 9)] == [b[s] for s in range(1, 9)]
+    wa = ckpt.load_head_state(clean / "checkpoints" / "step-000008")
+    wb = ckpt.load_head_state(broken / "checkpoints" / "step-000008")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_existing_checkpoints_need_resume(run_dir):
+    Trainer(config(run_dir, "train.steps=1")).fit()
+    with pytest.raises(ValueError, match="resume=true"):
+        Trainer(config(run_dir, "train.steps=1"))
+    (run_dir / "checkpoints" / "latest").unlink()  # a step-* directory alone is enough to refuse
+    with pytest.raises(ValueError, match="resume=true"):
+        Trainer(config(run_dir, "train.steps=1"))
+
+
+def test_resume_with_other_data_settings_is_refused(run_dir):
+    Trainer(config(run_dir, "train.steps=2")).fit()
+    with pytest.raises(ValueError, match=r"other data settings \(micro_batch 8 -> 4\)"):
+        Trainer(config(run_dir, "train.steps=4", "train.micro_batch=4", "resume=true"))
+
+
+def test_a_batch_with_nothing_to_train_on_is_a_zero_step(run_dir, samples, tiny_dir, tmp_path):
+    """Samples whose loss mask is all zero give a zero loss and zero gradients, not an error."""
+    masked = [{**s, "loss_mask": torch.zeros_like(s["loss_mask"])} for s in samples]
+    make_store(tmp_path / "masked", masked, tiny_dir / "target")
+    summary = Trainer(config(tmp_path / "masked", "train.steps=1")).fit()
+    assert summary["last_train"]["loss"] == 0.0 and summary["last_train"]["d1/n"] == 0
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, samples, tiny_dir):
+    bad = [dict(s) for s in samples]
+    for s in bad[:48]:
+        s["hidden"] = s["hidden"].clone()
+        s["hidden"][10] = float("inf")  # every training sample: the step after the first checkpoint fails
+    make_store(tmp_path, samples, tiny_dir / "target")
+    Trainer(config(tmp_path, "train.steps=2")).fit()
+    good = ckpt.latest(tmp_path / "checkpoints")
+    weights = ckpt.load_head_state(good)
+    make_store_bad = tmp_path / "bad"
+    make_store(make_store_bad, bad, tiny_dir / "target")
+    with pytest.raises(TrainingDiverged, match=r"at step 1 .*last good checkpoint is none"):
+        Trainer(config(make_store_bad, "train.steps=2")).fit()
+    # a diverging resumed run names and keeps the last good checkpoint
+    import shutil
+
+    shutil.copytree(tmp_path / "checkpoints", make_store_bad / "checkpoints", dirs_exist_ok=True)
+    with pytest.raises(TrainingDiverged, match=r"at step 3 .*step-000002"):
+        Trainer(config(make_store_bad, "train.steps=4", "resume=true")).fit()
+    assert ckpt.latest(make_store_bad / "checkpoints").name == "step-000002"
+    kept = ckpt.load_head_state(make_store_bad / "checkpoints" / "step-000002")
+    assert all(torch.equal(weights[k], kept[k]) for k in weights)
+
+
+def test_store_of_another_target_is_refused(tmp_path, samples, tiny_dir):
+    other = tiny_dir / "draft"  # another model directory: another fingerprint
+    identity = identity_for(other, tokenizer_path=tiny_dir / "target")
+    write_split(tmp_path / "store" / "train", samples[:48], identity=identity)
+    write_split(tmp_path / "store" / "val", samples[48:], identity=identity)
+    with pytest.raises(ValueError, match=r"made from target .*draft.*this run's target is .*target"):
+        Trainer(config(tmp_path))
+
+
+def test_missing_store_says_run_precompute(tmp_path):
+    with pytest.raises(FileNotFoundError, match="mtp-train precompute"):
+        Trainer(config(tmp_path))
+
+
+def test_bf16_autocast_and_offline_wandb(run_dir, monkeypatch):
+    """bf16 autocast (the GPU setting; frozen tensors kept in bf16) takes finite steps, and a wandb project
+    logs offline without a key, beside metrics.jsonl."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = config(run_dir, "train.steps=2", "train.micro_batch=4", "train.precision=bf16",
+                 "train.wandb_project=mtp-test", "train.wandb_name=bf16-smoke")
+    trainer = Trainer(cfg)
+    assert trainer.frozen.lm_head_weight.dtype == torch.bfloat16
+    summary = trainer.fit()
+    assert all(torch.isfinite(torch.tensor(v)) for v in summary["final"].values())
+    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline wandb run written"
+    assert losses(run_dir).keys() == {1, 2}
+
+
+def test_cli_prepare_precompute_train(tmp_path, tiny_dir, capsys):
+    """The stages chained from the command line on a small recipe: the trained head beats the untrained one
+    on val, metrics.jsonl and a complete checkpoint are written, and the pipeline stops at the first stage
+    not built yet."""
+    from mtp_train.cli import EXIT_NOT_BUILT, main
+
+    recipe = tmp_path / "small.yaml"
+    recipe.write_text(f"""
+defaults: [run_schema, _self_]
+target: {{path: {tiny_dir / 'target'}, dtype: float32}}
+data:
+  max_length: 96
+  sources:
+    - {{path: head-train, format: stdlib_chat, split: train, limit: 96}}
+    - {{path: validation, format: stdlib_chat, split: val, limit: 24}}
+train: {{steps: 12, micro_batch: 8, lr: 3.0e-3, warmup_steps: 2, save_every: 6, eval_every: 0}}
+""")
+    run_dir = tmp_path / "run"
+    args = [f"recipe={recipe}", f"run_dir={run_dir}"]
+    for stage in ("prepare", "precompute", "train"):
+        assert main([stage, *args]) == 0, stage
+    out = capsys.readouterr().out
+    assert "train: 12 steps" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in rows if "val/d1/acc" in r]
+    assert vals[0]["step"] == 0 and vals[-1]["step"] == 12
+    assert vals[-1]["val/d1/acc"] > vals[0]["val/d1/acc"] + 0.1
+    assert ckpt.latest(run_dir / "checkpoints").name == "step-000012"
+    assert main(["pipeline", *args, "resume=true", "train.steps=14"]) == EXIT_NOT_BUILT  # prepare, precompute
+    assert ckpt.latest(run_dir / "checkpoints").name == "step-000014"  # up to date; train resumed to 14
