@@ -28,6 +28,8 @@ demo: $(STAMP)
 	$(BIN)/mtp-train prepare recipe=tiny run_dir=$(RUN_DIR)
 	$(BIN)/mtp-train precompute recipe=tiny run_dir=$(RUN_DIR)
 	$(BIN)/mtp-train train recipe=tiny run_dir=$(RUN_DIR) resume=true
+	$(BIN)/mtp-train validate recipe=tiny run_dir=$(RUN_DIR)
+	$(BIN)/mtp-train export recipe=tiny run_dir=$(RUN_DIR)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -24,6 +24,9 @@ EXIT_USAGE, EXIT_FAILED, EXIT_NOT_BUILT = 2, 1, 3
 class Stage:
     help: str
     entry: str | None  # "module:function" taking a RunConfig; None while the stage is not built yet
+    section: str | None = None  # this config section's keys may be given bare (generate: prompt=..., k=...)
+    verbatim: tuple[str, ...] = ()  # keys whose value is free text, taken as typed (not parsed by Hydra)
+    writes_config: bool = True  # records the resolved config in run_dir (not for generate: no artifact)
 
 
 PIPELINE = ("prepare", "precompute", "train", "validate", "export")
@@ -34,12 +37,16 @@ STAGES: dict[str, Stage] = {
                         "mtp_train.store.precompute:run"),
     "train": Stage("fit the draft head on the stored hidden states (run_dir/checkpoints)",
                    "mtp_train.train.trainer:run"),
-    "validate": Stage("teacher-forced metrics + real speculative decoding: loss, accuracy, tau (run_dir/report.json)",
-                      None),
-    "export": Stage("write the head in serving layouts: hf-mtp, eagle, deepseek-nextn (run_dir/export)", None),
+    "validate": Stage("teacher-forced metrics + real speculative decoding: loss, accuracy, tau "
+                      "(run_dir/validation/report.json)", "mtp_train.validate:run"),
+    "export": Stage("write the head in serving layouts: format=hf-mtp|eagle|deepseek-nextn (run_dir/export)",
+                    "mtp_train.export:run", section="export"),
     "pipeline": Stage("run prepare -> precompute -> train -> validate -> export in order", "mtp_train.cli:run_pipeline"),
     "info": Stage("check the recipe's target and draft: derived architecture, tokenizer, a greedy sample",
                   "mtp_train.info:run"),
+    "generate": Stage("decode a prompt: prompt=\"...\" speculative=head|draft|none k=4 temperature=0",
+                      "mtp_train.generate:run", section="generate", verbatim=("generate.prompt",),
+                      writes_config=False),
 }
 
 
@@ -81,6 +88,27 @@ def resolve_entry(name: str) -> Callable[[RunConfig], object]:
         raise StageNotBuilt(f"stage {name!r} is not built yet: nothing was run")
     module, func = stage.entry.split(":")
     return getattr(importlib.import_module(module), func)
+
+
+def stage_overrides(stage: Stage, overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Expand the stage's bare keys (`k=2` -> `generate.k=2` for generate) and take out the free-text
+    ones, so a prompt with spaces, commas or quotes needs no Hydra quoting. -> (overrides, {key: text})."""
+    if stage.section is None:
+        return overrides, {}
+    from dataclasses import fields
+
+    section_cls = next(f.default_factory for f in fields(RunConfig) if f.name == stage.section)
+    section_keys = {f.name for f in fields(section_cls)}
+    out, text = [], {}
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key in section_keys:
+            key = f"{stage.section}.{key}"
+        if key in stage.verbatim:
+            text[key] = value
+        else:
+            out.append(f"{key}={value}" if "=" in o else o)
+    return out, text
 
 
 def run_pipeline(cfg: RunConfig) -> None:
@@ -135,17 +163,22 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     recipe = next((a.split("=", 1)[1] for a in overrides if a.startswith("recipe=")), "tiny")
+    overrides, text = stage_overrides(STAGES[stage], overrides)
     try:
         cfg = compose(recipe, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    for key, value in text.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
     if show_cfg:
         print(to_yaml(cfg), end="")
         return 0
     try:
         entry = resolve_entry(stage)
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun one process writes the config and speaks
+        if int(os.environ.get("RANK", "0")) == 0 and STAGES[stage].writes_config:
+            # under torchrun one process writes the config and speaks
             path = write_resolved(cfg, Path(cfg.run_dir))
             print(f"mtp-train {stage}: recipe {cfg.recipe}, run_dir {cfg.run_dir} (config: {path})", flush=True)
         entry(cfg)

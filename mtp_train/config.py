@@ -20,11 +20,14 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from mtp_train.data.prepare import DataConfig
+from mtp_train.export import ExportConfig
+from mtp_train.generate import GenerateConfig
 from mtp_train.info import InfoConfig
 from mtp_train.model.head import HeadConfig
 from mtp_train.model.target import TargetConfig
 from mtp_train.store.precompute import StoreConfig
 from mtp_train.train.trainer import TrainConfig
+from mtp_train.validate import ValidateConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 ASSETS_DIR = PACKAGE_DIR / "assets"
@@ -44,6 +47,9 @@ class RunConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     resume: bool = False  # train: continue from run_dir/checkpoints/latest
 
 

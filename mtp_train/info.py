@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mtp_train.model.target import TargetArch, load_causal_lm, load_tokenizer
+from mtp_train.model.target import TargetArch, check_draft_tokenizer, load_causal_lm, load_tokenizer
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
@@ -65,9 +65,8 @@ def run(cfg: "RunConfig") -> dict:
     arch = TargetArch.from_pretrained(cfg.target.path)
     tokenizers = {what: load_tokenizer(path, what) for what, path in models.items()}
     _check_tokenizer(tokenizers["target"], arch, cfg.target.path, "target")
-    if "draft" in models and tokenizers["draft"].get_vocab() != tokenizers["target"].get_vocab():
-        raise ValueError(f"draft tokenizer at {models['draft']} differs from the target's at {models['target']}: "
-                         "a draft LM must share the target's tokenizer")
+    if "draft" in models:
+        check_draft_tokenizer(models["target"], models["draft"], tokenizers["target"], tokenizers["draft"])
     report: dict = {}
     for what, path in models.items():
         tokenizer = tokenizers[what]

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -29,22 +30,61 @@ def test_unknown_stage_and_option(capsys):
     assert "unknown option '--fast'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("stage", [s for s, st in STAGES.items() if st.entry is None])
-def test_unbuilt_stage_says_so_and_writes_nothing(stage, tmp_path, capsys):
+def unbuilt(monkeypatch, name: str) -> None:
+    """Every stage is built now; the 'not built yet' path is exercised on a stage marked unbuilt."""
+    monkeypatch.setitem(STAGES, name, dataclasses.replace(STAGES[name], entry=None))
+
+
+def test_unbuilt_stage_says_so_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    unbuilt(monkeypatch, "export")
     run_dir = tmp_path / "run"
-    assert main([stage, "recipe=tiny", f"run_dir={run_dir}"]) == EXIT_NOT_BUILT
-    assert f"stage {stage!r} is not built yet" in capsys.readouterr().err
+    assert main(["export", "recipe=tiny", f"run_dir={run_dir}"]) == EXIT_NOT_BUILT
+    assert "stage 'export' is not built yet" in capsys.readouterr().err
     assert not run_dir.exists()
+    assert main(["--help"]) == 0 and "[not built yet]" in capsys.readouterr().out
 
 
-def test_pipeline_stops_at_the_first_unbuilt_stage(tmp_path, capsys):
-    first_missing = next(s for s in PIPELINE if STAGES[s].entry is None)
-    small = ["data.sources.0.limit=2", "data.sources.1.limit=8", "data.sources.2.limit=1", "data.sources.3.limit=4",
-             "train.steps=2", "train.micro_batch=2", "train.eval_every=0"]
+def test_pipeline_stops_at_the_first_unbuilt_stage(tmp_path, capsys, monkeypatch):
+    unbuilt(monkeypatch, "precompute")
+    small = ["data.sources.0.limit=2", "data.sources.1.limit=8", "data.sources.2.limit=1", "data.sources.3.limit=4"]
     assert main(["pipeline", f"run_dir={tmp_path}", *small]) == EXIT_NOT_BUILT
-    assert f"stage {first_missing!r} is not built yet" in capsys.readouterr().err
-    assert (tmp_path / "config.yaml").is_file()
-    assert (tmp_path / "data" / "manifest.json").is_file() == (first_missing != "prepare")
+    assert "stage 'precompute' is not built yet" in capsys.readouterr().err
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "data" / "manifest.json").is_file()
+    assert not (tmp_path / "store").exists()
+
+
+def test_pipeline_runs_every_stage_and_ends_with_the_validation_table(tmp_path, capsys):
+    small = ["data.sources.0.limit=2", "data.sources.1.limit=8", "data.sources.2.limit=1", "data.sources.3.limit=4",
+             "train.steps=2", "train.micro_batch=2", "train.eval_every=0",
+             "validate.num_prompts=1", "validate.max_new_tokens=4", "validate.max_k=1", "validate.temperatures=[0]"]
+    assert main(["pipeline", f"run_dir={tmp_path}", *small]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("== ")] == [f"== {s}" for s in PIPELINE]
+    for name in ("hf-mtp", "hf-mtp-stitched"):
+        assert (tmp_path / "export" / name / "README.md").is_file()
+    tail = out[out.rindex("export: wrote"):]
+    assert "validation of" in tail and tail.rstrip().splitlines()[-1].split()[0] in ("head", "draft")  # table last
+
+
+def test_generate_takes_bare_keys_and_a_prompt_as_typed(tmp_path, capsys):
+    """`prompt=` needs no Hydra quoting (spaces, commas, quotes, brackets, '='), and the generate keys may be
+    given without their `generate.` prefix."""
+    prompt = "Write `f(a, b=1)`: it's \"quoted\", [bracketed], {braced}"
+    assert main(["generate", f"run_dir={tmp_path}", f"prompt={prompt}", "k=2", "speculative=none",
+                 "generate.temperature=0.7", "top_p=0.9", "--cfg"]) == 0
+    g = yaml.safe_load(capsys.readouterr().out)["generate"]
+    assert (g["prompt"], g["k"], g["speculative"], g["temperature"], g["top_p"]) == (prompt, 2, "none", 0.7, 0.9)
+    assert not any(tmp_path.iterdir())
+
+
+def test_export_takes_bare_keys(tmp_path, capsys):
+    assert main(["export", f"run_dir={tmp_path}", "format=eagle", "dtype=bf16", "overwrite=true",
+                 f"checkpoint={tmp_path}/checkpoints/step-000100", "--cfg"]) == 0
+    e = yaml.safe_load(capsys.readouterr().out)["export"]
+    assert e == {"format": "eagle", "checkpoint": f"{tmp_path}/checkpoints/step-000100", "dtype": "bf16",
+                 "overwrite": True}
+    assert main(["export", f"run_dir={tmp_path}", "format=safetensors"]) == EXIT_USAGE
+    assert "export.format='safetensors': expected one of auto, hf-mtp, eagle, deepseek-nextn" in capsys.readouterr().err
 
 
 def test_cli_rejects_unknown_key_and_recipe(tmp_path, capsys):

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from mtp_train.config import compose
-from mtp_train.data.stdlib import list_files
 from mtp_train.model.frozen import FrozenTarget
-from mtp_train.model.target import TargetConfig, load_causal_lm, load_tokenizer
 from mtp_train.store.format import identity_for, write_split
 from mtp_train.train import checkpoint as ckpt
 from mtp_train.train.trainer import Trainer, TrainingDiverged
+from windows import code_windows, make_store
 
 T = 48
 
@@ -21,16 +20,7 @@ T = 48
 def samples(tiny_dir):
     """64 windows of T tokens of head-train stdlib code with the tiny target's hidden states after its norm;
     the first 48 train, the last 16 validate. Tokens of the first 8 positions are not trainable."""
-    target = tiny_dir / "target"
-    tok = load_tokenizer(target)
-    model = load_causal_lm(target, TargetConfig(path=str(target), dtype="float32", device="cpu"))
-    ids = []
-    for f in list_files("head-train")[:40]:
-        toks = tok(f.read(), add_special_tokens=False)["input_ids"]
-        ids += [toks[k:k + T] for k in range(0, len(toks) - T, T * 3)][:2]
-    ids = torch.tensor(ids[:64])
-    with torch.no_grad():
-        hidden = model(ids, output_hidden_states=True).hidden_states[-1]
+    ids, hidden = code_windows(tiny_dir / "target", slice(0, 40), T)
     out = []
     for i in range(len(ids)):
         n = T - (i % 5) * 3  # different lengths: padded batches
@@ -38,12 +28,6 @@ def samples(tiny_dir):
         mask[:8] = 0
         out.append({"hidden": hidden[i, :n].clone(), "input_ids": ids[i, :n].clone(), "loss_mask": mask})
     return out
-
-
-def make_store(run_dir, samples, target, n_train=48):
-    identity = identity_for(target)
-    write_split(run_dir / "store" / "train", samples[:n_train], identity=identity)
-    write_split(run_dir / "store" / "val", samples[48:], identity=identity)
 
 
 def config(run_dir, *overrides):
@@ -207,9 +191,9 @@ def test_bf16_autocast_and_offline_wandb(run_dir, monkeypatch):
 
 def test_cli_prepare_precompute_train(tmp_path, tiny_dir, capsys):
     """The stages chained from the command line on a small recipe: the trained head beats the untrained one
-    on val, metrics.jsonl and a complete checkpoint are written, and the pipeline stops at the first stage
-    not built yet."""
-    from mtp_train.cli import EXIT_NOT_BUILT, main
+    on val, metrics.jsonl and a complete checkpoint are written; then the pipeline finds prepare and
+    precompute up to date, resumes training, validates and exports."""
+    from mtp_train.cli import main
 
     recipe = tmp_path / "small.yaml"
     recipe.write_text(f"""
@@ -233,5 +217,10 @@ train: {{steps: 12, micro_batch: 8, lr: 3.0e-3, warmup_steps: 2, save_every: 6, 
     assert vals[0]["step"] == 0 and vals[-1]["step"] == 12
     assert vals[-1]["val/d1/acc"] > vals[0]["val/d1/acc"] + 0.1
     assert ckpt.latest(run_dir / "checkpoints").name == "step-000012"
-    assert main(["pipeline", *args, "resume=true", "train.steps=14"]) == EXIT_NOT_BUILT  # prepare, precompute
+    small_validate = ["validate.num_prompts=2", "validate.max_new_tokens=8", "validate.max_k=1",
+                      "validate.temperatures=[0]"]
+    capsys.readouterr()
+    assert main(["pipeline", *args, "resume=true", "train.steps=14", *small_validate]) == 0
     assert ckpt.latest(run_dir / "checkpoints").name == "step-000014"  # up to date; train resumed to 14
+    assert (run_dir / "validation" / "report.json").is_file()
+    assert (run_dir / "export" / "hf-mtp" / "model.safetensors").is_file()

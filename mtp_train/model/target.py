@@ -172,3 +172,13 @@ def load_causal_lm(path: str | Path, cfg: TargetConfig, what: str = "target") ->
     except OSError as e:  # missing or unreadable weight files
         raise FileNotFoundError(f"{what} at {p} could not be loaded: {str(e).splitlines()[0]}") from e
     return model.eval().requires_grad_(False)
+
+
+def check_draft_tokenizer(target_path: str | Path, draft_path: str | Path, target_tokenizer=None,
+                          draft_tokenizer=None) -> None:
+    """A draft LM proposes target token ids and reads the target's: it must have the target's tokenizer."""
+    target_tokenizer = target_tokenizer or load_tokenizer(target_path)
+    draft_tokenizer = draft_tokenizer or load_tokenizer(draft_path, "draft")
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(f"draft tokenizer at {draft_path} differs from the target's at {target_path}: "
+                         "a draft LM must share the target's tokenizer")

@@ -3,12 +3,16 @@
     run_dir/checkpoints/step-000500/
         head.safetensors     the head's own weights (never the frozen E / W)
         head.json            how to rebuild it: variant, head config, the target's config.json and identity
-        optimizer.pt         optimizer state
-        trainer_state.pt     step, data position, scheduler, RNG states (python, torch, cuda)
+        optimizer.pt         optimizer state (single process and DDP)
+        deepspeed/           instead of optimizer.pt under DeepSpeed: its engine checkpoint, one optimizer
+                             partition per rank (resumable at the same world size and ZeRO stage)
+        trainer_state.pt     step, data position, scheduler, RNG states (python, torch, cuda; every rank's)
         config.yaml          the resolved run config
     run_dir/checkpoints/latest   the name of the newest complete checkpoint
 
-A checkpoint is written under `step-NNNNNN.tmp` and renamed when complete; `latest` is replaced atomically
+`head.safetensors` is always the full head, whatever the strategy (gathered from the ranks under ZeRO-3),
+so export reads any checkpoint. A checkpoint is written under `step-NNNNNN.tmp` (`begin`; under torchrun
+every rank may write its part there) and renamed when complete (`commit`); `latest` is replaced atomically
 after the rename, so it never names a partial checkpoint. Older checkpoints beyond `keep` are removed.
 """
 
@@ -71,26 +75,34 @@ def checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def save(root: Path, step: int, head_state: dict[str, torch.Tensor], head_meta: dict, optimizer_state: dict,
-         trainer_state: dict, config_yaml: str, keep: int = 2) -> Path:
-    from safetensors.torch import save_file
-
+def begin(root: Path, step: int) -> Path:
+    """The empty temporary directory a checkpoint of `step` is written into."""
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:06d}"
-    final, tmp = root / name, root / f"{name}.tmp"
+    tmp = root / f"step-{step:06d}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    return tmp
+
+
+def write(tmp: Path, step: int, head_state: dict[str, torch.Tensor], head_meta: dict, trainer_state: dict,
+          config_yaml: str, rng: dict | list | None = None) -> None:
+    """The files every checkpoint has (the optimizer state is the caller's): head weights, how to rebuild
+    the head, trainer state with the RNG state(s), resolved config."""
+    from safetensors.torch import save_file
+
     save_file({k: v.detach().contiguous().cpu() for k, v in head_state.items()}, str(tmp / "head.safetensors"),
               metadata={"format": "pt", "step": str(step)})
     (tmp / "head.json").write_text(json.dumps(head_meta, indent=2) + "\n")
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer_state.pt")
+    torch.save({**trainer_state, "rng": rng_state() if rng is None else rng}, tmp / "trainer_state.pt")
     (tmp / "config.yaml").write_text(config_yaml)
-    for f in tmp.iterdir():  # on disk before the rename makes the checkpoint visible
-        _fsync(f)
-    if final.exists():  # the same step saved again: the old copy stays until the new one is in place
-        old = root / f"{name}.old"
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the complete directory `tmp` to `final`; an existing `final` is moved aside first and removed
+    only once the new one is in place."""
+    if final.exists():
+        old = final.with_name(f"{final.name}.old")
         if old.exists():
             shutil.rmtree(old)
         final.rename(old)
@@ -98,6 +110,16 @@ def save(root: Path, step: int, head_state: dict[str, torch.Tensor], head_meta: 
         shutil.rmtree(old)
     else:
         tmp.rename(final)
+
+
+def commit(root: Path, step: int, keep: int = 2) -> Path:
+    """Make `begin`'s directory the checkpoint of `step`: on disk, renamed, named by `latest`, older ones pruned."""
+    name = f"step-{step:06d}"
+    final, tmp = root / name, root / f"{name}.tmp"
+    for f in sorted(tmp.rglob("*"), key=lambda p: -len(p.parts)):  # on disk before the rename makes it visible
+        _fsync(f)
+    _fsync(tmp)
+    replace_dir(tmp, final)  # the same step saved again: the old copy stays until the new one is in place
     _fsync(root)
     _atomic_write(root / LATEST, name + "\n")
     if keep > 0:  # only ever older steps than this one: never the checkpoint `latest` now names
@@ -105,6 +127,15 @@ def save(root: Path, step: int, head_state: dict[str, torch.Tensor], head_meta: 
         for p in older[: max(0, len(older) - (keep - 1))]:
             shutil.rmtree(p)
     return final
+
+
+def save(root: Path, step: int, head_state: dict[str, torch.Tensor], head_meta: dict, optimizer_state: dict,
+         trainer_state: dict, config_yaml: str, keep: int = 2) -> Path:
+    """A whole checkpoint from one process."""
+    tmp = begin(root, step)
+    write(tmp, step, head_state, head_meta, trainer_state, config_yaml)
+    torch.save(optimizer_state, tmp / "optimizer.pt")
+    return commit(root, step, keep)
 
 
 def latest(root: Path) -> Path | None:
@@ -129,8 +160,14 @@ def load_meta(path: Path) -> dict:
     return json.loads((path / "head.json").read_text())
 
 
-def load_states(path: Path) -> tuple[dict, dict]:
-    """(optimizer state, trainer state) of a checkpoint; these hold only tensors and plain Python values."""
-    optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+def load_states(path: Path) -> tuple[dict | None, dict]:
+    """(optimizer state, trainer state) of a checkpoint; these hold only tensors and plain Python values. The
+    optimizer state is None for a DeepSpeed checkpoint (its partitions are under `deepspeed/`)."""
+    optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False) \
+        if (path / "optimizer.pt").is_file() else None
     trainer = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
     return optimizer, trainer
+
+
+def load_trainer_state(path: Path) -> dict:
+    return torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)

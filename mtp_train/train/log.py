@@ -33,7 +33,7 @@ class MetricsLogger:
         if wandb_project:
             import wandb
 
-            has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file()
+            has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
             mode = os.environ.get("WANDB_MODE") or ("online" if has_key else "offline")
             self.wandb = wandb.init(project=wandb_project, name=wandb_name or None, config=config or {},
                                     dir=str(run_dir), mode=mode, resume="allow" if resume else None)
@@ -53,6 +53,19 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def _netrc_has_wandb() -> bool:
+    """`wandb login` stores its key in ~/.netrc under api.wandb.ai (or WANDB_BASE_URL's host); a netrc
+    holding only other machines' logins is not a key."""
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc(os.environ.get("NETRC") or None).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
 
 
 def _step_of(row: str) -> int | None:

@@ -93,14 +93,24 @@ def predicted_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, depth_index: 
     return out & (pos + n < lengths[:, None])
 
 
+def counted_positions(loss_mask: torch.Tensor, lengths: torch.Tensor, depth: int) -> list[int]:
+    """Positions that count at each depth 1..depth (what `head_loss` divides by when not told otherwise)."""
+    return [int(predicted_mask(loss_mask, lengths, j).sum()) for j in range(depth)]
+
+
 def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
-              W: torch.Tensor, cfg: LossConfig, ce=None) -> tuple[torch.Tensor, dict[str, float]]:
+              W: torch.Tensor, cfg: LossConfig, ce=None, norm: list[int] | None = None
+              ) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted loss over depths for one batch, and its per-depth metrics.
 
     outputs[j] [B, T, H] is ĥ at depth j (from `model.head.unrolled`), hidden [B, T, H] the target's h,
-    loss_mask [B, T] trainable tokens, lengths [B]. Each depth's terms are means over its counted positions.
-    Metrics: `d{k}/{feat,ce,acc,accept,n}` for depth k = j + 1 (1 = the first drafted token), and `loss`. `ce` replaces `distill_ce` (same signature;
-    the train-step benchmark passes a full-logits implementation to compare against).
+    loss_mask [B, T] trainable tokens, lengths [B]. Each depth's terms are sums over its counted positions
+    divided by `norm[j]`: by default this batch's own count (a mean); the trainer passes the count of the
+    whole optimizer step (every micro-batch on every rank), so that every counted position weighs the same
+    and the step's loss is the sum of its micro-batches' losses, however they are spread over ranks.
+    Metrics: `d{k}/{feat,ce,acc,accept,n}` for depth k = j + 1 (1 = the first drafted token): means over
+    this batch's counted positions and their count; and `loss`, the returned loss. `ce` replaces `distill_ce`
+    (same signature; the train-step benchmark passes a full-logits implementation to compare against).
     """
     ce_fn = ce or distill_ce
     # zero that still depends on the head: a batch with nothing to count backpropagates zeros, not an error
@@ -113,15 +123,18 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
         metrics[f"{key}/n"] = n
         if n == 0:
             continue
+        denom = n if norm is None else norm[j]
+        if denom < n:
+            raise ValueError(f"head_loss: norm[{j}]={denom} is below this batch's {n} counted positions")
         shift = 1 + j
         target = torch.zeros_like(hidden)
         target[:, :-shift] = hidden[:, shift:]  # h_{i+1+j}
         x, y = h_hat[sel], target[sel]  # [n, H]
-        feat = F.smooth_l1_loss(x.float(), y.float(), reduction="none").mean(-1).sum() / n
-        ce, per_row = ce_fn(x, y, W, x.new_full((n,), 1.0 / n), cfg.temperature, cfg.chunk_tokens)
-        total = total + cfg.gamma ** j * (cfg.w_feat * feat + cfg.w_logit * ce)
-        metrics[f"{key}/feat"] = feat.item()
-        metrics[f"{key}/ce"] = ce.item()
+        feat_sum = F.smooth_l1_loss(x.float(), y.float(), reduction="none").mean(-1).sum()
+        ce_sum, per_row = ce_fn(x, y, W, x.new_full((n,), 1.0 / denom), cfg.temperature, cfg.chunk_tokens)
+        total = total + cfg.gamma ** j * (cfg.w_feat * (feat_sum / denom) + cfg.w_logit * ce_sum)
+        metrics[f"{key}/feat"] = (feat_sum / n).item()
+        metrics[f"{key}/ce"] = ce_sum.item() if denom == n else ce_sum.item() * denom / n
         metrics[f"{key}/acc"] = per_row[:, 0].mean().item()
         metrics[f"{key}/accept"] = per_row[:, 1].mean().item()
     metrics["loss"] = total.item()

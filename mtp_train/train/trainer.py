@@ -5,12 +5,18 @@ is refused), builds the head from the target's config.json and its frozen E / W 
 and fits it with AdamW, linear warm-up + cosine decay, gradient clipping and accumulation, fp32 or bf16
 autocast. Validation every `eval_every` steps and at the start (the untrained head, for comparison) and
 the end. Checkpoints every `save_every` steps resume exactly (`resume=true`).
+
+Under torchrun the same code runs on every rank: each reads its own micro-batches (`data.rank_batches`), the
+strategy (`distributed.py`: DDP or DeepSpeed ZeRO) combines the gradients, the logged metrics are sums over
+all ranks (all-reduced) divided by global counts, and rank 0 alone logs and writes checkpoints (each rank
+adds its optimizer partition under DeepSpeed). Each micro-batch's loss is normalized by the counted
+positions of the whole optimizer step (`loss.head_loss(norm=...)`), so every counted position weighs the
+same and N processes follow the trajectory of one process with N times the accumulation.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -21,9 +27,10 @@ import torch
 from mtp_train.model.frozen import FrozenTarget
 from mtp_train.model.head import DraftHead, unrolled
 from mtp_train.train import checkpoint as ckpt
-from mtp_train.train.data import loader, rank_batches, steps_per_epoch
+from mtp_train.train import distributed as dist
+from mtp_train.train.data import Collate, loader, rank_batches, steps_per_epoch
 from mtp_train.train.log import MetricsLogger
-from mtp_train.train.loss import LossConfig, head_loss
+from mtp_train.train.loss import LossConfig, counted_positions, head_loss
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -52,6 +59,9 @@ class TrainConfig:
     bucket: int = 32  # micro-batches per length-sorting window
     wandb_project: str = ""  # empty: no wandb (metrics.jsonl and the console always)
     wandb_name: str = ""
+    strategy: str = "auto"  # auto | single | ddp | deepspeed (auto: one process single; GPUs deepspeed; CPUs ddp)
+    zero_stage: int = 2  # DeepSpeed ZeRO stage 1 | 2 | 3
+    activation_checkpointing: bool = False  # recompute the decoder layer's MLP in backward
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
@@ -69,6 +79,11 @@ class TrainConfig:
             raise ValueError(f"train.precision={self.precision!r}: expected one of {', '.join(PRECISIONS)}")
         if len(self.betas) != 2:
             raise ValueError(f"train.betas={self.betas}: expected two numbers")
+        if self.strategy not in dist.STRATEGIES:
+            raise ValueError(f"train.strategy={self.strategy!r}: expected one of {', '.join(dist.STRATEGIES)}")
+        if self.zero_stage not in dist.ZERO_STAGES:
+            raise ValueError(f"train.zero_stage={self.zero_stage}: expected 1, 2 or 3 "
+                             "(used by train.strategy=deepspeed)")
 
 
 class TrainingDiverged(ValueError):
@@ -107,30 +122,57 @@ def build_head(target_path: str, head_cfg, device, seed: int,
     return head.to(device), frozen.to(device), target_config
 
 
+METRICS = ("feat", "ce", "acc", "accept")  # per depth, averaged over counted positions
+
+
+def _add_weighted(sums: torch.Tensor, m: dict, depth: int) -> None:
+    """sums[k-1] += [n, feat·n, ce·n, acc·n, accept·n] of depth k from one batch's `head_loss` metrics."""
+    for k in range(1, depth + 1):
+        n = m[f"d{k}/n"]
+        sums[k - 1, 0] += n
+        for i, key in enumerate(METRICS, start=1):
+            sums[k - 1, i] += m.get(f"d{k}/{key}", 0.0) * n
+
+
+def _averages(sums: torch.Tensor, depth: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k in range(1, depth + 1):
+        n = int(sums[k - 1, 0])
+        if n:
+            out.update({f"d{k}/{key}": float(sums[k - 1, i] / n) for i, key in enumerate(METRICS, start=1)})
+        out[f"d{k}/n"] = n
+    return out
+
+
 def evaluate(head: DraftHead, frozen: FrozenTarget, batches, depth: int, loss_cfg: LossConfig, device,
-             autocast) -> dict[str, float]:
-    """Teacher-forced validation metrics, weighted by counted positions over all batches."""
-    sums: dict[str, float] = {}
-    counts: dict[int, int] = {}
+             autocast, steps: int | None = None, filler=None) -> dict[str, float]:
+    """Teacher-forced validation metrics, weighted by counted positions over all batches of all ranks.
+
+    `steps`: forward passes to make; past the end of this rank's batches `filler` (a batch) is computed and
+    not counted (ZeRO-3 gathers parameters in every forward, so every rank must make the same number)."""
+    sums = torch.zeros(depth, 1 + len(METRICS), dtype=torch.float64)
     was_training = head.training
     head.eval()
+    done = 0
     with torch.no_grad():
         for batch in batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
-            with autocast():
-                outs = unrolled(head, frozen.embed, batch["hidden"], batch["input_ids"], batch["lengths"], depth)
-            _, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
-                             frozen.lm_head_weight, loss_cfg)
-            for k in range(1, depth + 1):
-                n = m[f"d{k}/n"]
-                counts[k] = counts.get(k, 0) + n
-                for key in ("feat", "ce", "acc", "accept"):
-                    if f"d{k}/{key}" in m:
-                        sums[f"d{k}/{key}"] = sums.get(f"d{k}/{key}", 0.0) + m[f"d{k}/{key}"] * n
+            _evaluate_batch(head, frozen, batch, depth, loss_cfg, device, autocast, sums)
+            done += 1
+        while steps is not None and done < steps:
+            _evaluate_batch(head, frozen, filler, depth, loss_cfg, device, autocast, None)
+            done += 1
     head.train(was_training)
-    out = {k: v / max(1, counts[int(k[1:].split("/")[0])]) for k, v in sums.items()}
-    out.update({f"d{k}/n": n for k, n in counts.items()})
-    return out
+    return _averages(dist.all_reduce_sum(sums.to(device)).cpu(), depth)
+
+
+def _evaluate_batch(head, frozen, batch, depth, loss_cfg, device, autocast, sums) -> None:
+    batch = {k: v.to(device) for k, v in batch.items()}
+    with autocast():
+        outs = unrolled(head, frozen.embed, batch["hidden"], batch["input_ids"], batch["lengths"], depth)
+    _, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
+                     frozen.lm_head_weight, loss_cfg)
+    if sums is not None:
+        _add_weighted(sums, m, depth)
 
 
 def format_eval(m: dict, depth: int) -> str:
@@ -139,16 +181,20 @@ def format_eval(m: dict, depth: int) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg, *, rank: int = 0, world: int = 1):
+    """Under torchrun every rank builds one, with its `rank`, the `world` size and its `local_rank` (its GPU),
+    inside a started process group (`run` starts it)."""
+
+    def __init__(self, cfg, *, rank: int = 0, world: int = 1, local_rank: int = 0):
         from mtp_train.config import to_yaml
-        from mtp_train.model.target import resolve_device
         from mtp_train.store.reader import StoreReader
 
         self.cfg, self.tc, self.rank, self.world = cfg, cfg.train, rank, world
+        self.say = print if rank == 0 else (lambda *a, **k: None)
         self.run_dir = Path(cfg.run_dir)
-        self.device = resolve_device(cfg.target.device)
+        self.device = dist.device_for(cfg.target.device, dist.Ranks(rank, world, local_rank))
+        self.strategy = dist.resolve_strategy(self.tc.strategy, world, self.device)
         if self.tc.precision == "bf16" and self.device.type == "cpu":
-            print("train: bf16 autocast on CPU is 20-30x slower than fp32 here; use train.precision=fp32 on CPUs")
+            self.say("train: bf16 autocast on CPU is 20-30x slower than fp32 here; use train.precision=fp32 on CPUs")
         store = self.run_dir / "store"
         for split in ("train", "val"):
             if not (store / split / "manifest.json").is_file():
@@ -180,6 +226,12 @@ class Trainer:
                                            lr=tc.lr, betas=tuple(tc.betas), eps=1e-8)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, tc.warmup_steps, self.total_steps, tc.min_lr_ratio))
+        self.engine_settings = dist.EngineSettings(self.strategy, tc.zero_stage, world, tc.grad_accum, tc.micro_batch,
+                                                   tc.max_grad_norm)
+        self.memory = self.memory_estimate()
+        self.n_params = sum(p.numel() for p in self.head.parameters())  # before ZeRO-3 partitions them
+        self.engine = dist.build_engine(self.head, self.optimizer, self.scheduler, self.engine_settings, self.device,
+                                        tc.activation_checkpointing)
         self.config_yaml = to_yaml(cfg)
         self.step, self.epoch, self.consumed = 0, 0, 0  # optimizer steps; data position (epoch, micro-batches)
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) \
@@ -213,22 +265,36 @@ class Trainer:
                 "world": self.world, "train_samples": len(self.train_store)}
 
     def save(self) -> Path | None:
-        if self.rank != 0:
-            return None
+        """A checkpoint of the current step. Every rank calls it: under DeepSpeed each writes its optimizer
+        partition and ZeRO-3 gathers the head; rank 0 writes the rest and makes it visible. Returns the
+        checkpoint's path on rank 0, None on the others."""
         if self.resumed_from is not None and self.step == self.resumed_step:
-            return self.resumed_from  # nothing trained since: the checkpoint on disk is this state
-        state = {"step": self.step, "epoch": self.epoch, "consumed": self.consumed,
-                 "scheduler": self.scheduler.state_dict(), "total_steps": self.total_steps,
-                 "data": self.data_settings()}
-        return ckpt.save(self.ckpt_root, self.step, self.head.state_dict(), self.head_meta(),
-                         self.optimizer.state_dict(), state, self.config_yaml, keep=self.tc.keep_checkpoints)
+            return self.resumed_from if self.rank == 0 else None  # nothing trained since: that checkpoint is this state
+        tmp = self.ckpt_root / f"step-{self.step:06d}.tmp"
+        if self.rank == 0:
+            ckpt.begin(self.ckpt_root, self.step)
+        dist.barrier()  # the directory exists before any rank writes into it
+        self.engine.save(tmp)
+        head_state = self.engine.head_state_dict()
+        rngs = dist.gather_objects(ckpt.rng_state())
+        dist.barrier()  # every rank's part is written
+        path = None
+        if self.rank == 0:
+            state = {"step": self.step, "epoch": self.epoch, "consumed": self.consumed,
+                     "scheduler": self.scheduler.state_dict(), "total_steps": self.total_steps,
+                     "data": self.data_settings(), "engine": self.engine_settings.layout()}
+            ckpt.write(tmp, self.step, head_state, self.head_meta(), state, self.config_yaml,
+                       rng=rngs[0] if self.world == 1 else rngs)
+            path = ckpt.commit(self.ckpt_root, self.step, keep=self.tc.keep_checkpoints)
+        dist.barrier()  # no rank moves on (or exits) before the checkpoint is complete
+        return path
 
     def _resume(self) -> None:
         from mtp_train.model.target import target_fingerprint
 
         path = ckpt.latest(self.ckpt_root)
         if path is None:
-            print(f"train: resume=true but {self.ckpt_root} holds no checkpoint; starting from step 0")
+            self.say(f"train: resume=true but {self.ckpt_root} holds no checkpoint; starting from step 0")
             return
         meta = ckpt.load_meta(path)
         mine = target_fingerprint(self.cfg.target.path)
@@ -236,42 +302,59 @@ class Trainer:
             raise ValueError(f"checkpoint {path} was trained for target {meta['target_path']} (variant "
                              f"{meta['variant']}); this run has target {self.cfg.target.path} (variant "
                              f"{self.cfg.head.variant}): use another run_dir")
-        optimizer, state = ckpt.load_states(path)
+        state = ckpt.load_trainer_state(path)
         saved, now = state.get("data", {}), self.data_settings()
         changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
         if changed:
             what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
             raise ValueError(f"checkpoint {path} was saved with other data settings ({what}): its data position "
                              "would point at other samples. Resume with the same settings, or start a new run_dir")
+        layout = state.get("engine", {"strategy": "full", "world": saved.get("world", 1)})
+        if layout != self.engine_settings.layout():
+            raise ValueError(f"checkpoint {path} holds its optimizer state as {_describe(layout)}; this run keeps it "
+                             f"as {_describe(self.engine_settings.layout())}. Resume with the checkpoint's "
+                             "train.strategy, train.zero_stage and number of processes, or start a new run_dir")
         if state["total_steps"] != self.total_steps:
-            print(f"train: the checkpoint's run planned {state['total_steps']} steps, this one {self.total_steps}: "
-                  "the learning-rate schedule follows the new total from here")
+            self.say(f"train: the checkpoint's run planned {state['total_steps']} steps, this one {self.total_steps}: "
+                     "the learning-rate schedule follows the new total from here")
         later = [p.name for p in ckpt.checkpoints(self.ckpt_root) if ckpt.step_of(p) > state["step"]]
         if later:
-            print(f"train: {', '.join(later)} come after {path.name}, which `latest` names; this run replaces them "
-                  "as it reaches their steps")
-        self.head.load_state_dict(ckpt.load_head_state(path))
-        self.optimizer.load_state_dict(optimizer)
+            self.say(f"train: {', '.join(later)} come after {path.name}, which `latest` names; this run replaces "
+                     "them as it reaches their steps")
+        self.engine.load(path, lambda: ckpt.load_head_state(path))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
-        ckpt.set_rng_state(state["rng"])
+        rng = state["rng"]
+        ckpt.set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)
         self.resumed_from, self.resumed_step = path, self.step
-        print(f"train: resumed from {path} (step {self.step}, epoch {self.epoch}, micro-batch {self.consumed})")
+        self.say(f"train: resumed from {path} (step {self.step}, epoch {self.epoch}, micro-batch {self.consumed})")
+
+    def memory_estimate(self):
+        """The per-GPU memory estimate for this run (from the target's config and the longest train sample)."""
+        from mtp_train.train.memory import estimate_memory
+
+        seq = int(max(self.train_store.lengths)) if len(self.train_store) else 1
+        return estimate_memory(self.target_config, self.tc, seq, self.world, self.strategy, self.cfg.head)
 
     # -- the loop ----------------------------------------------------------------------------------------
-    def val_batches(self, full: bool):
-        """Every val sample once, in length order (little padding); this rank's share."""
+    def val_batches(self, full: bool) -> list[list[int]]:
+        """All val micro-batches (every val sample once, in length order: little padding); rank r takes
+        every world-th."""
         lengths = self.val_store.lengths
         order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
         mb = self.tc.micro_batch
         batches = [order[k:k + mb] for k in range(0, len(order), mb)]
         if self.tc.eval_batches and not full:
             batches = batches[:: max(1, len(batches) // self.tc.eval_batches)][: self.tc.eval_batches]
-        return loader(self.val_store, batches[self.rank::self.world])
+        return batches
 
     def validate(self, full: bool = True) -> dict[str, float]:
-        m = evaluate(self.head, self.frozen, self.val_batches(full), self.tc.depth, self.tc.loss, self.device,
-                     self.autocast)
+        batches = self.val_batches(full)
+        steps = filler = None
+        if self.strategy == "deepspeed" and self.tc.zero_stage == 3 and batches:  # equal forward counts
+            steps, filler = math.ceil(len(batches) / self.world), Collate(self.val_store)(batches[0])
+        m = evaluate(self.head, self.frozen, loader(self.val_store, batches[self.rank::self.world]), self.tc.depth,
+                     self.tc.loss, self.device, self.autocast, steps=steps, filler=filler)
         self.log.log({f"val/{k}": v for k, v in m.items()}, self.step,
                      console=f"val step {self.step}: {format_eval(m, self.tc.depth)}")
         return m
@@ -288,52 +371,65 @@ class Trainer:
             self.epoch, self.consumed = self.epoch + 1, 0
 
     def train_step(self, micro) -> dict[str, float]:
-        """One optimizer step over grad_accum micro-batches; returns the averaged metrics."""
+        """One optimizer step over grad_accum micro-batches on every rank; returns the step's metrics, averaged
+        over all ranks' counted positions (`loss` is the step's loss, `tokens` all ranks' tokens)."""
         tc = self.tc
-        totals: dict[str, float] = {}
-        seen: dict[str, int] = {}
-        tokens = 0
+        batches, where = [], []  # on the host until used; their data positions (epoch, micro-batch)
         for _ in range(tc.grad_accum):
-            batch = {k: v.to(self.device) for k, v in next(micro).items()}
-            with self.autocast():
-                outs = unrolled(self.head, self.frozen.embed, batch["hidden"], batch["input_ids"], batch["lengths"],
-                                tc.depth)
-            loss, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
-                                self.frozen.lm_head_weight, tc.loss)
-            if not torch.isfinite(loss):
-                last = ckpt.latest(self.ckpt_root)
-                raise TrainingDiverged(
-                    f"loss is {loss.item()} at step {self.step + 1} (epoch {self.epoch}, micro-batch "
-                    f"{self.consumed - 1}); the last good checkpoint is {last or 'none (none was saved yet)'}. "
-                    "Check the store (mtp-train verify-store) or lower train.lr")
-            (loss / tc.grad_accum).backward()
+            batches.append(next(micro))
+            where.append((self.epoch, self.consumed - 1))
+        local = torch.tensor([counted_positions(b["loss_mask"], b["lengths"], tc.depth) for b in batches],
+                             dtype=torch.float64).sum(0)
+        norm = [int(n) for n in dist.all_reduce_sum(local.to(self.device)).cpu()]  # the whole step's counts
+        sums = torch.zeros(tc.depth, 1 + len(METRICS), dtype=torch.float64)
+        loss_sum, tokens, bad = 0.0, 0, []
+        for i, batch in enumerate(batches):
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            with self.engine.forward_context():
+                with self.autocast():
+                    outs = self.engine.forward(self.frozen.embed, batch["hidden"], batch["input_ids"],
+                                               batch["lengths"], tc.depth)
+                loss, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
+                                    self.frozen.lm_head_weight, tc.loss, norm=norm)
+                if not torch.isfinite(loss):
+                    bad.append(where[i])
+                self.engine.backward(loss)  # every rank makes the same calls, whatever its loss
+            loss_sum += m["loss"]
             tokens += int(batch["lengths"].sum())
-            for k, v in m.items():  # summed here, averaged over the micro-batches that had the key below
-                totals[k] = totals.get(k, 0.0) + v
-                seen[k] = seen.get(k, 0) + 1
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(),
-                                                   tc.max_grad_norm if tc.max_grad_norm > 0 else float("inf"))
-        if not torch.isfinite(grad_norm):
+            _add_weighted(sums, m, tc.depth)
+        scalars = torch.tensor([loss_sum, tokens, len(bad)], dtype=torch.float64)
+        reduced = dist.all_reduce_sum(torch.cat([sums.flatten(), scalars]).to(self.device)).cpu()
+        sums, (loss_sum, tokens, n_bad) = reduced[:-3].view_as(sums), reduced[-3:].tolist()
+        if n_bad:
+            at = ", ".join(f"epoch {e} micro-batch {k}" for e, k in bad) if bad else "on another rank"
+            raise TrainingDiverged(
+                f"loss is not finite at step {self.step + 1} ({int(n_bad)} micro-batch(es): {at}); the last good "
+                f"checkpoint is {ckpt.latest(self.ckpt_root) or 'none (none was saved yet)'}. "
+                "Check the store (mtp-train verify-store) or lower train.lr")
+        grad_norm = self.engine.step()
+        if not math.isfinite(grad_norm):
             last = ckpt.latest(self.ckpt_root)
-            raise TrainingDiverged(f"gradient norm is {grad_norm.item()} at step {self.step + 1}; the last good "
+            raise TrainingDiverged(f"gradient norm is {grad_norm} at step {self.step + 1}; the last good "
                                    f"checkpoint is {last or 'none'}")
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        totals = {k: v if k.endswith("/n") else v / seen[k] for k, v in totals.items()}
-        totals.update({"grad_norm": grad_norm.item(), "lr": self.scheduler.get_last_lr()[0], "tokens": tokens})
-        return totals
+        out = _averages(sums, tc.depth)
+        out.update({"loss": loss_sum, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+                    "tokens": int(tokens)})
+        return out
 
     def fit(self) -> dict:
         from tqdm import tqdm
 
         tc = self.tc
-        n_params = sum(p.numel() for p in self.head.parameters())
-        if self.rank == 0:
-            print(f"train: head {self.cfg.head.variant} ({n_params:,} trainable parameters), depth {tc.depth}, "
-                  f"{len(self.train_store):,} train samples, {self.steps_per_epoch} steps/epoch, "
-                  f"{self.total_steps} steps, lr {tc.lr}, {tc.precision} on {self.device}")
+        n_params = self.n_params
+        strategy = self.strategy + (f" ZeRO-{tc.zero_stage}" if self.strategy == "deepspeed" else "")
+        self.say(f"train: head {self.cfg.head.variant} ({n_params:,} trainable parameters), depth {tc.depth}, "
+                 f"{len(self.train_store):,} train samples, {self.steps_per_epoch} steps/epoch, "
+                 f"{self.total_steps} steps, lr {tc.lr}, {tc.precision} on {self.device}, {strategy} x {self.world}"
+                 + (", activation checkpointing" if tc.activation_checkpointing else ""))
+        device_bytes = torch.cuda.get_device_properties(self.device).total_memory \
+            if self.device.type == "cuda" else None
+        self.say("train: " + self.memory.format(device_bytes, f"{strategy} x {self.world}"))
         start = self.validate() if self.step == 0 else None
         micro = self.micro_batches()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
@@ -342,7 +438,7 @@ class Trainer:
         try:
             while self.step < self.total_steps:
                 m = self.train_step(micro)
-                tokens += m["tokens"] * self.world
+                tokens += m["tokens"]
                 rate = tokens / max(1e-9, time.perf_counter() - t0)
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m.get('d1/acc', 0):.3f}", tok_s=f"{rate:,.0f}")
@@ -362,8 +458,7 @@ class Trainer:
             self.log.close()
         summary = {"steps": self.step, "final": final, "start": start, "checkpoint": str(path) if path else None,
                    "last_train": last}
-        if self.rank == 0:
-            print(format_summary(summary, tc.depth))
+        self.say(format_summary(summary, tc.depth))
         return summary
 
 
@@ -381,9 +476,13 @@ def _plain(cfg) -> dict:
     return asdict(cfg)
 
 
+def _describe(layout: dict) -> str:
+    if layout.get("strategy") == "deepspeed":
+        return f"DeepSpeed ZeRO-{layout['zero_stage']} partitions over {layout['world']} process(es)"
+    return f"one full optimizer state (single process or DDP over {layout['world']} process(es))"
+
+
 def run(cfg) -> dict:
-    """`mtp-train train`: single process here; torchrun ranks are set up by the distributed wrapper."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1:
-        raise ValueError("train under torchrun (WORLD_SIZE > 1) is not built yet: run it as one process")
-    return Trainer(cfg, rank=rank, world=world).fit()
+    """`mtp-train train`: one process, or every rank under torchrun (the process group is started here)."""
+    with dist.process_group(cfg.target.device, cfg.train.strategy) as ranks:
+        return Trainer(cfg, rank=ranks.rank, world=ranks.world, local_rank=ranks.local_rank).fit()

@@ -1,0 +1,200 @@
+"""`mtp-train export`: the trained head in the layouts serving engines load (DESIGN §7).
+
+    mtp-train export recipe=tiny run_dir=runs/demo [format=auto|hf-mtp|eagle|deepseek-nextn]
+                     [checkpoint=DIR] [dtype=auto|bf16|fp16|fp32] [overwrite=true]
+
+| format           | head, target           | writes under run_dir/export/                                    |
+|------------------|------------------------|-----------------------------------------------------------------|
+| `hf-mtp`         | `mtp`, Llama / Qwen    | `hf-mtp/` (the head alone as MTP layer N) and `hf-mtp-stitched/` |
+|                  |                        | (the target, linked, plus the head: transformers `use_mtp=True`) |
+| `eagle`          | `eagle1`, Llama        | `eagle-vllm/` and `eagle-sglang/` (the engines' EAGLE-1 loaders) |
+| `deepseek-nextn` | `mtp`, DeepSeek-V2     | `deepseek-nextn/` (vLLM's DeepSeek MTP loader)                   |
+
+`auto` picks the one that fits the head and the target. Key names and config fields per layout, and the
+loader files they follow, are in `layouts.py`. Every directory is read back into a `DraftHead` and must
+reproduce the trained head's output before it replaces anything, and gets a model card (`card.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mtp_train.export.layouts import EAGLE, HF_MTP, NEXTN
+
+if TYPE_CHECKING:
+    from mtp_train.config import RunConfig
+
+FORMATS = ("auto", HF_MTP, EAGLE, NEXTN)
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass
+class ExportConfig:
+    format: str = "auto"  # auto | hf-mtp | eagle | deepseek-nextn (auto: what fits the head and the target)
+    checkpoint: str | None = None  # a checkpoint directory (run_dir/checkpoints/step-N); none: the latest
+    dtype: str = "auto"  # auto (the target's config.json dtype) | bf16 | fp16 | fp32
+    overwrite: bool = False  # replace export directories made from other inputs
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"export.format={self.format!r}: expected one of {', '.join(FORMATS)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"export.dtype={self.dtype!r}: expected auto, {', '.join(DTYPES)}")
+
+
+def choose_format(requested: str, variant: str, model_type: str) -> str:
+    """The format to write, or an error that says why this head or target cannot have the one asked for."""
+    fmt = requested
+    if fmt == "auto":
+        fmt = EAGLE if variant == "eagle1" else NEXTN if model_type == "deepseek_v2" else HF_MTP
+    if fmt == EAGLE and variant != "eagle1":
+        raise ValueError("format=eagle is for eagle1 heads; this head is `mtp`, and its maths differ: it normalises "
+                         "the embedding and the hidden state before eh_proj (enorm, hnorm), keeps its layer's input "
+                         "norm and normalises its output (post_norm), while EAGLE-1 loaders compute fc([E x; h]) "
+                         "into a layer without input norm and no final norm. Use format=hf-mtp, or train with "
+                         "head.variant=eagle1")
+    if fmt in (HF_MTP, NEXTN) and variant != "mtp":
+        raise ValueError(f"format={fmt} is for mtp heads (enorm, hnorm, eh_proj, post_norm); this head is "
+                         f"{variant!r}: use format=eagle")
+    if fmt == NEXTN and model_type != "deepseek_v2":
+        raise ValueError(f"format=deepseek-nextn is the MTP layout of DeepSeek models (vLLM's DeepSeekMTPModel); "
+                         f"this target is {model_type!r}: use format=hf-mtp")
+    if fmt == HF_MTP and model_type == "deepseek_v2":
+        raise ValueError("format=hf-mtp cannot carry this head: transformers builds the MTP layers of DeepSeek "
+                         "models with the MoE MLP (get_mtp_config sets first_k_dense_replace=0) and this head's MLP "
+                         "is dense; use format=deepseek-nextn (vLLM)")
+    if fmt == EAGLE and model_type != "llama":
+        raise ValueError(f"format=eagle writes the EAGLE-1 layout of vLLM's and SGLang's Llama loaders "
+                         f"(llama_eagle.py); this target is {model_type!r}")
+    return fmt
+
+
+def export_dtype(requested: str, target_config: dict) -> str:
+    """bfloat16 / float16 / float32: as asked, or the dtype the target's config.json names (float32 when it
+    names none)."""
+    if requested != "auto":
+        return DTYPES[requested]
+    named = target_config.get("dtype") or target_config.get("torch_dtype") or "float32"
+    return named if named in DTYPES.values() else "float32"
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _jobs(fmt: str, state: dict, target_dir: Path, target_config: dict, dtype: str) -> list[tuple]:
+    """(directory name, layout, writer(tmp), exact) for each directory the format writes; `state` is the head's
+    in fp32 (a folded bias is computed before rounding to `dtype`)."""
+    import torch
+
+    from mtp_train.export import layouts
+    from mtp_train.export.write import WEIGHTS, save_weights, stitch, write_json
+    from mtp_train.model.frozen import read_tensors
+
+    def cast(tensors: dict) -> dict:
+        return {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
+
+    def plain(layout, tensors: dict):
+        def write(tmp: Path) -> None:
+            save_weights(cast(tensors), tmp / WEIGHTS)
+            write_json(tmp / "config.json", layouts.exported_config(target_config, layout, dtype))
+        return write
+
+    if fmt == HF_MTP:
+        layout = layouts.hf_mtp(target_config)
+        tensors = layout.to_export(state)
+        config = layouts.exported_config(target_config, layout, dtype)
+        return [("hf-mtp", layout, plain(layout, tensors), True),
+                ("hf-mtp-stitched", layout, lambda tmp: stitch(tmp, target_dir, cast(tensors), config), True)]
+    if fmt == EAGLE:
+        folded = "fc.bias" in state
+        vllm = layouts.eagle(target_config, "vllm", attention_bias=folded)
+        sglang = layouts.eagle(target_config, "sglang")
+        biased = state if folded else {**state, "fc.bias": torch.zeros(state["fc.weight"].shape[0],
+                                                                       dtype=state["fc.weight"].dtype)}
+        return [("eagle-vllm", vllm, plain(vllm, vllm.to_export(layouts.fold_fc_bias(state) if folded else state)),
+                 not folded),
+                ("eagle-sglang", sglang, plain(sglang, sglang.to_export(biased)), True)]
+    layout = layouts.nextn(target_config)
+    shared = read_tensors(target_dir, sorted(set(layout.target_tensors.values())))
+    embed = shared["model.embed_tokens.weight"]
+    tensors = {**layout.to_export(state),
+               **{k: shared.get(src, embed) for k, src in layout.target_tensors.items()}}
+    return [(NEXTN, layout, plain(layout, tensors), True)]
+
+
+def run(cfg: "RunConfig") -> list[Path]:
+    """Write the export directories of `cfg.export.format`; returns their paths."""
+    import torch
+    import yaml
+
+    from mtp_train.export.card import CardInputs, model_card
+    from mtp_train.export.write import (CARD, EXPORT_JSON, check_round_trip, is_up_to_date, listing, read_back,
+                                        replace_text, staged, write_json)
+    from mtp_train.generate import read_head
+    from mtp_train.model.target import check_model_dir, target_fingerprint
+    from mtp_train.store.format import sha256_file
+
+    e, run_dir = cfg.export, Path(cfg.run_dir)
+    target_dir = check_model_dir(cfg.target.path)
+    target_config = json.loads((target_dir / "config.json").read_text())
+    head, meta = read_head(cfg, Path(e.checkpoint) if e.checkpoint else None)
+    fmt = choose_format(e.format, meta["variant"], target_config.get("model_type"))
+    dtype = export_dtype(e.dtype, target_config)
+    state = head.state_dict()  # fp32; `head` becomes the reference: its weights rounded to `dtype`, computing in fp32
+    head = head.to(getattr(torch, dtype)).float()
+    ckpt = Path(meta["checkpoint"])
+    report_path, manifest_path = run_dir / "validation" / "report.json", run_dir / "data" / "manifest.json"
+    fingerprint = target_fingerprint(target_dir)
+    # what the weights are made from; the card's figures (report, manifest) may change without a new export
+    inputs = {"dtype": dtype, "head": sha256_file(ckpt / "head.safetensors"),
+              "meta": {k: v for k, v in meta.items() if k != "checkpoint"}, "target": fingerprint,
+              "target_path": str(target_dir.resolve())}
+    resolved = (yaml.safe_load((ckpt / "config.yaml").read_text()) if (ckpt / "config.yaml").is_file() else None) or {}
+    command = " ".join([f"mtp-train export recipe={cfg.recipe} run_dir={cfg.run_dir} format={fmt}",
+                        *([f"dtype={e.dtype}"] if e.dtype != "auto" else []),
+                        *([f"checkpoint={e.checkpoint}"] if e.checkpoint else [])])
+    card = CardInputs(recipe=resolved.get("recipe", cfg.recipe), run_dir=cfg.run_dir, command=command,
+                      checkpoint=str(ckpt), meta=meta, target_path=str(target_dir.resolve()),
+                      target_config=target_config,
+                      config_sha256=sha256_file(target_dir / "config.json"), fingerprint=fingerprint, dtype=dtype,
+                      train=resolved.get("train", {}), manifest=_read_json(manifest_path),
+                      report=_read_json(report_path))
+    written = []
+    for name, layout, write, exact in _jobs(fmt, state, target_dir, target_config, dtype):
+        out = run_dir / "export" / name
+        identity = hashlib.sha256(json.dumps({"layout": name, **inputs}, sort_keys=True).encode()).hexdigest()
+        written.append(out)
+        if is_up_to_date(out, identity):
+            text = model_card(name, out, listing(out), card)
+            if (out / CARD).is_file() and (out / CARD).read_text() == text:
+                print(f"export: {out} is up to date (same checkpoint, target and dtype); nothing to do")
+            else:  # same weights, newer figures (validation report, data manifest)
+                replace_text(out / CARD, text)
+                print(f"export: {out} holds this head already; its model card is updated")
+            continue
+        t0 = time.perf_counter()
+        with staged(out, e.overwrite) as tmp:
+            write(tmp)
+            check_round_trip(head, read_back(tmp, layout, meta["variant"]), exact, out)
+            (tmp / CARD).write_text(model_card(name, out, listing(tmp), card))
+            write_json(tmp / EXPORT_JSON, {"identity": identity, "layout": name, "format": fmt, "dtype": dtype,
+                                           "checkpoint": str(ckpt), "step": meta["step"],
+                                           "target_path": str(target_dir.resolve()), "target_fingerprint": fingerprint})
+        own = sum(p.stat().st_size for p in out.iterdir() if not p.is_symlink())
+        links = sum(p.is_symlink() for p in out.iterdir())
+        print(f"export: wrote {out} ({own / 2**20:,.1f} MiB{f', {links} target files linked' if links else ''}; "
+              f"read back and checked against the trained head) in {time.perf_counter() - t0:.1f} s")
+    if card.report:
+        from mtp_train.validate import format_table
+
+        print(format_table(card.report))
+    else:
+        print(f"export: no validation report in {report_path.parent} (run mtp-train validate); the model cards "
+              "say so")
+    return written

@@ -1,0 +1,192 @@
+"""The model card (`README.md`) written into every export directory: what the head is, what made it (recipe,
+commands, checkpoint, target identity, data counts), how well it drafts (the validation report), and how
+to serve this directory with transformers, vLLM and SGLang."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtp_train import __version__
+
+
+@dataclass
+class CardInputs:
+    """Everything a card says, gathered once per export run."""
+
+    recipe: str
+    run_dir: str
+    command: str  # the export command
+    checkpoint: str
+    meta: dict  # the checkpoint's head.json
+    target_path: str
+    target_config: dict
+    config_sha256: str  # of the target's config.json
+    fingerprint: str  # mtp_train.model.target.target_fingerprint
+    dtype: str
+    train: dict  # the checkpoint's resolved `train` settings
+    manifest: dict | None  # run_dir/data/manifest.json
+    report: dict | None  # run_dir/validation/report.json
+
+
+def _identity(c: CardInputs) -> str:
+    t, m = c.target_config, c.meta
+    return "\n".join([
+        f"- target: `{c.target_path}` ({t.get('model_type')}, {t.get('num_hidden_layers')} layers, hidden "
+        f"{t.get('hidden_size')}, vocabulary {t.get('vocab_size')})",
+        f"- target `config.json` sha256: `{c.config_sha256}`",
+        f"- target fingerprint (config, weight index, weight file names and sizes): `{c.fingerprint}`",
+        f"- head: `{m['variant']}` ({', '.join(f'{k}={v}' for k, v in m['head'].items())}), trained at depth "
+        f"{m.get('depth')} for {m['step']} steps; checkpoint `{c.checkpoint}`; exported as {c.dtype}",
+    ])
+
+
+def _making(c: CardInputs) -> str:
+    keys = ("steps", "micro_batch", "grad_accum", "lr", "depth", "precision", "strategy")
+    settings = ", ".join(f"{k}={c.train[k]}" for k in keys if k in c.train)
+    return "\n".join([
+        "```bash",
+        f"mtp-train pipeline recipe={c.recipe} run_dir={c.run_dir}   # + the overrides recorded in config.yaml",
+        c.command,
+        "```",
+        f"Recipe `{c.recipe}`; training settings: {settings}. The checkpoint's resolved run config, overrides "
+        f"included, is `{Path(c.checkpoint) / 'config.yaml'}`.",
+    ])
+
+
+def _data(manifest: dict | None) -> str:
+    if not manifest:
+        return "No data manifest in the run directory (`run_dir/data/manifest.json`)."
+    rows = ["| split | samples | tokens | trainable tokens |", "|---|---:|---:|---:|"]
+    for name, s in manifest.get("splits", {}).items():
+        rows.append(f"| {name} | {s['samples']:,} | {s['tokens']:,} | {s['masked_tokens']:,} |")
+    sources = ", ".join(f"`{s['path']}` ({s['format']}, {s['split']})" for s in manifest.get("sources", []))
+    return "\n".join(rows) + (f"\n\nSources: {sources}." if sources else "")
+
+
+def _validation(report: dict | None) -> str:
+    if not report:
+        return "No validation report (`run_dir/validation/report.json`): run `mtp-train validate` before exporting."
+    from mtp_train.validate import format_table
+
+    return ("Figures of `mtp-train validate` for the exported checkpoint (τ: tokens per target forward, bonus "
+            "included; acceptance: P(drafts 1..j all kept)):\n\n```\n" + format_table(report) + "\n```")
+
+
+def _serving(layout: str, out: Path, c: CardInputs) -> str:
+    n = c.target_config.get("num_hidden_layers")
+    target = c.target_path
+    if layout == "hf-mtp-stitched":
+        return f"""This directory is the target with the head added as MTP layer {n}: the target's files are
+links to `{target}`, the head is `model-mtp.safetensors`, and `config.json` / the weight index name it.
+
+**transformers** (>= 5.14; greedy output is the target's own, the head drafts one token per step; batch 1):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path = "{out}"
+tok = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+# Llama / Qwen model classes register no MTP key pattern; MtpModel finds the layer's weights through this:
+model._keys_to_ignore_on_load_unexpected = [r"model\\.layers\\.{n}\\..*"]
+inputs = tok.apply_chat_template([{{"role": "user", "content": "Hi"}}], add_generation_prompt=True,
+                                return_tensors="pt", return_dict=True)
+out = model.generate(**inputs, use_mtp=True, do_sample=False, max_new_tokens=128)
+```
+
+Loading reports the `model.layers.{n}.*` tensors as unexpected: the main model does not use them,
+`generate(use_mtp=True)` loads them into transformers' `MtpModel`.
+
+{_no_engine_mtp(c)}"""
+    if layout == "hf-mtp":
+        return f"""The head alone, as transformers' MTP layer {n} of the target (`model.safetensors` holds
+only the `model.layers.{n}.*` tensors; `config.json` is the target's plus `num_mtp_layers: 1`). To serve it,
+add its tensors to a copy of the target directory and use this config: `hf-mtp-stitched` beside this
+directory is exactly that copy (see its card for the transformers command).
+
+{_no_engine_mtp(c)}"""
+    if layout == "eagle-vllm":
+        return f"""**vLLM** (EAGLE-1 draft, `EagleLlamaForCausalLM`):
+
+```bash
+vllm serve {target} --speculative-config '{{"method": "eagle", "model": "{out}", "num_speculative_tokens": 3}}'
+```
+
+vLLM's EAGLE `fc` has no bias: when the head has one, it is folded into the layer's q/k/v/o biases
+(`attention_bias: true` in `config.json`; the same function, checked when exporting). For SGLang use
+`eagle-sglang` beside this directory."""
+    if layout == "eagle-sglang":
+        return f"""**SGLang** (EAGLE-1 draft, `LlamaForCausalLMEagle`):
+
+```bash
+python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE \\
+    --speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 \\
+    --speculative-num-draft-tokens 4
+```
+
+SGLang's EAGLE `fc` always has a bias (zeros here when the head was trained without one). For vLLM use
+`eagle-vllm` beside this directory."""
+    return f"""**vLLM** (`DeepSeekMTPModel`, the NextN layout of DeepSeek-V3's MTP module; this directory's
+`config.json` names the architecture and makes layer {n} dense, as the head is):
+
+```bash
+vllm serve {target} --trust-remote-code \\
+    --speculative-config '{{"method": "deepseek_mtp", "model": "{out}", "num_speculative_tokens": 1}}'
+```
+
+With `num_speculative_tokens` > 1 vLLM feeds the layer's output *before* `shared_head.norm` back into it,
+while this head was trained on its normed output (as transformers' MTP and SGLang's NextN chain it):
+drafts after the first may be accepted less often.
+
+**SGLang** builds its NextN layer with the MoE MLP whatever the config says
+(python/sglang/srt/models/deepseek_v2.py, `_is_layer_sparse`), and **transformers** builds MTP layers
+of DeepSeek models as MoE too (`get_mtp_config` sets `first_k_dense_replace = 0`); this head's MLP is
+dense (DESIGN §3), so neither can load it: serve it with vLLM."""
+
+
+def _no_engine_mtp(c: CardInputs) -> str:
+    return (f"**vLLM / SGLang**: their MTP loaders are written per model family (DeepSeek, MiMo, GLM, ...; "
+            f"vLLM's `_SPECULATIVE_DECODING_MODELS` registry) and none of those read for this exporter loads an "
+            f"MTP layer of a "
+            f"`{c.target_config.get('model_type')}` target. To serve with them, train an `eagle1` head "
+            "(`head.variant=eagle1`) and export it with `format=eagle`.")
+
+
+def model_card(layout: str, out: Path, files: list[tuple[str, int]], c: CardInputs) -> str:
+    """README.md for the export directory `out` (final path) of `layout`; `files` are (name, bytes)."""
+    listing = "\n".join(f"| `{name}` | {size:,} |" for name, size in files)
+    return f"""# Draft head `{c.meta['variant']}` for `{Path(c.target_path).name}`, layout `{layout}`
+
+A speculative-decoding draft head made by mtp_train {__version__}: it proposes the target's next tokens
+from the target's final hidden state and the target's own embedding and `lm_head` (shared, not copied
+unless the layout requires them).
+
+## Identity
+
+{_identity(c)}
+
+## How it was made
+
+{_making(c)}
+
+## Data
+
+{_data(c.manifest)}
+
+## Validation
+
+{_validation(c.report)}
+
+## Files
+
+| file | bytes |
+|---|---:|
+{listing}
+
+`export.json` records what made this directory; `mtp-train export` leaves a directory made from the same
+inputs alone and refuses to replace a different one without `overwrite=true`.
+
+## Serving
+
+{_serving(layout, out, c)}
+"""

@@ -1,0 +1,194 @@
+"""Drafters: what proposes the k tokens the target verifies. One interface, two schemes.
+
+    drafter.start(batch)                                  empty caches for a batch
+    drafter.propose(seqs, features, k, sampling, gen)     -> Proposal: k tokens per row (+ their q)
+    drafter.accept(accepted)                              roll the drafter's cache back after verification
+    drafter.select(rows)                                  finished rows leave the batch
+
+`seqs[b]` is row b's committed sequence, prompt + emitted tokens; its last token is pending (emitted but
+not yet run through the target). `features` are the target's final hidden states for the tokens the
+target has committed to its cache since the previous call, in sequence order: the head's input.
+
+* `HeadDrafter`, the trained MTP/EAGLE head (the write-up's MTP schedule). Its cache holds one entry per
+  pair (h_i, x_{i+1}) at position i+1, made from the target's own h. After each verification the head is
+  re-run over the newly accepted tokens with the target's h for them (this catch-up also yields the first
+  draft), then chains: each further draft feeds the head's own ĥ back with the token just drafted. The
+  chain's entries are dropped after verification, accepted or not: they were made from ĥ, and the
+  catch-up rewrites those positions from the target's h.
+* `LMDrafter`, a separate small causal LM with the target's tokenizer (the draft–target scheme): its
+  cache holds the committed tokens; it feeds the ones it has not seen, then its own drafts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mtp_train.inference.cache import SlotCache, right_align
+from mtp_train.inference.runner import CausalLMRunner, left_pad
+from mtp_train.inference.sampling import SamplingConfig, probabilities, sample
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, k] drafted tokens
+    probs: torch.Tensor | None  # [B, k, V] the draft distribution q each was drawn from; None when greedy
+
+
+@dataclass
+class Features:
+    """Target hidden states for newly committed tokens: row b's are hidden[b][valid[b]], in order."""
+
+    hidden: torch.Tensor  # [B, T, H]
+    valid: torch.Tensor  # [B, T]
+
+
+class Drafter(ABC):
+    """What `SpeculativeDecoder` asks of a drafter; see the module docstring for the protocol."""
+
+    name = "drafter"
+
+    @abstractmethod
+    def start(self, batch: int) -> None:
+        """Empty caches for a new batch of `batch` rows."""
+
+    @abstractmethod
+    def propose(self, seqs: list[list[int]], features: Features, k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None = None) -> Proposal:
+        """k draft tokens per row after each row's pending token (the last of `seqs[b]`)."""
+
+    @abstractmethod
+    def accept(self, accepted: torch.Tensor) -> None:
+        """After verification: row b kept its first `accepted[b]` drafts. Roll the cache back to what the
+        next `propose` expects."""
+
+    @abstractmethod
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows, in this order."""
+
+
+def _draw(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B, V] -> (token [B], q [B, V] or None when greedy)."""
+    if sampling.greedy:
+        return logits.argmax(-1), None
+    q = probabilities(logits, sampling)
+    return sample(q, generator), q
+
+
+def _proposal(tokens: list[torch.Tensor], probs: list[torch.Tensor | None]) -> Proposal:
+    return Proposal(torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1))
+
+
+class HeadDrafter(Drafter):
+    """The trained head, drafting from the target's features. `embed` and `lm_head` are the target's own
+    modules (the head shares E and W, it never has copies)."""
+
+    name = "head"
+
+    def __init__(self, head: nn.Module, embed: nn.Module, lm_head: nn.Module):
+        self.head, self.embed, self.lm_head = head.eval(), embed, lm_head
+        self.cache: SlotCache | None = None
+        self.committed: torch.Tensor | None = None  # [B] pairs made from target features
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def start(self, batch: int) -> None:
+        self.cache = SlotCache(batch, self.device)
+        self.committed = torch.zeros(batch, dtype=torch.long, device=self.device)
+
+    def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """One head forward over pairs (hidden [B, T, H], the next tokens [B, T]) right-aligned with valid."""
+        h = self.head(self.embed(tokens), hidden, self.cache.positions(valid, offset=1),
+                      self.cache.attention_mask(valid, hidden.dtype), self.cache)
+        self.cache.commit(valid)
+        return h  # [B, T, H]
+
+    @torch.inference_mode()
+    def propose(self, seqs, features, k, sampling, generator=None) -> Proposal:
+        B = len(seqs)
+        # catch-up: pairs (h_i, x_{i+1}) for the positions the target committed since the last call
+        index = right_align(features.valid)
+        valid = features.valid.gather(1, index)
+        hidden = features.hidden.gather(1, index[..., None].expand_as(features.hidden))
+        counts, done = valid.sum(1).tolist(), self.committed.tolist()
+        tokens = torch.zeros(valid.shape, dtype=torch.long)
+        for b in range(B):
+            if counts[b]:  # x_{i+1} for i = done .. done + count - 1, right-aligned like the features
+                nxt = seqs[b][done[b] + 1: done[b] + 1 + counts[b]]
+                if len(nxt) != counts[b]:
+                    raise RuntimeError(f"row {b}: {counts[b]} new target features but {len(nxt)} tokens after them")
+                tokens[b, valid.shape[1] - counts[b]:] = torch.tensor(nxt)
+        tokens = tokens.to(self.device)
+        h = self._step(tokens, hidden.to(self.lm_head.weight.dtype), valid)[:, -1]  # ĥ for the pending token
+        self.committed = self.cache.lengths.clone()
+        drafted, qs = [], []
+        for j in range(k):
+            d, q = _draw(self.lm_head(h).float(), sampling, generator)
+            drafted.append(d)
+            qs.append(q)
+            if j + 1 < k:  # chain: the head's own ĥ with the token it just drafted
+                h = self._step(d[:, None], h[:, None], torch.ones(B, 1, dtype=torch.bool, device=self.device))[:, 0]
+        return _proposal(drafted, qs)
+
+    def accept(self, accepted: torch.Tensor) -> None:
+        self.cache.keep(self.committed)  # drop the chain's entries; the next catch-up uses target features
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.select(rows)
+        self.committed = self.committed.index_select(0, rows.to(self.device))
+
+
+class LMDrafter(Drafter):
+    """A small causal LM with the target's tokenizer. Its distributions are cut or padded to the target's
+    vocabulary (ids past either model's vocabulary are never drafted)."""
+
+    name = "draft"
+
+    def __init__(self, runner: CausalLMRunner, vocab_size: int):
+        self.runner, self.vocab_size = runner, vocab_size
+        self.cache: SlotCache | None = None
+        self.seen: torch.Tensor | None = None  # [B] committed tokens in the cache
+
+    def start(self, batch: int) -> None:
+        self.cache = self.runner.new_cache(batch)
+        self.seen = torch.zeros(batch, dtype=torch.long)
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        V, Vd = self.vocab_size, logits.shape[-1]
+        if Vd >= V:
+            return logits[..., :V]
+        return torch.cat([logits, logits.new_full((*logits.shape[:-1], V - Vd), float("-inf"))], dim=-1)
+
+    @torch.inference_mode()
+    def propose(self, seqs, features, k, sampling, generator=None) -> Proposal:
+        B = len(seqs)
+        seen = self.seen.tolist()
+        ids, valid = left_pad([s[n:] for s, n in zip(seqs, seen)], device=self.runner.device)
+        logits, _ = self.runner.forward(self.cache, ids, valid, logits_last=1)
+        self.seen = torch.tensor([len(s) for s in seqs])
+        drafted, qs = [], []
+        for j in range(k):
+            d, q = _draw(self._logits(logits[:, -1]), sampling, generator)
+            drafted.append(d)
+            qs.append(q)
+            if j + 1 < k:
+                logits, _ = self.runner.forward(self.cache, d[:, None],
+                                                torch.ones(B, 1, dtype=torch.bool, device=self.runner.device))
+        return _proposal(drafted, qs)
+
+    def accept(self, accepted: torch.Tensor) -> None:
+        """The cache holds the committed tokens, then drafts d_1..d_{k-1}; the first `accepted` drafts are
+        now committed too (d_k, if accepted, was never fed: the next call feeds it)."""
+        drafts_in_cache = self.cache.lengths - self.seen.to(self.cache.valid.device)
+        keep_drafts = torch.minimum(accepted.to(drafts_in_cache.device), drafts_in_cache)
+        self.seen = self.seen + keep_drafts.cpu()
+        self.cache.keep(self.seen.to(self.cache.valid.device))
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.select(rows)
+        self.seen = self.seen.index_select(0, rows.cpu())

@@ -1,0 +1,329 @@
+"""`mtp-train validate`: how good the trained head is, measured two ways with the code that serves it.
+
+1. Teacher-forced, on the val store: the training objective and its metrics with the same head forward
+   (`model.head.unrolled`) and loss (`train.loss.head_loss` through `train.trainer.evaluate`): the loss
+   terms, top-1 agreement with the target's argmax and expected acceptance Σ min(p, q) per depth.
+2. Real speculative decoding (`mtp_train.inference`) on held-out prompts (the run's prepared val split:
+   conversations cut where the assistant's turn starts, else the first half of a document), for
+   k = 1..K, greedy and sampled, with the head and with the draft LM when `target.draft_path` is set:
+   τ (tokens per target forward), acceptance by position, tokens/s against the target alone at the
+   same settings, and whether greedy output is token for token the target's own greedy output.
+
+Writes `run_dir/validation/report.json`, two plots beside it, and prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from mtp_train.inference import CausalLMRunner, Drafter, HeadDrafter, SamplingConfig, generate, load_runner
+
+if TYPE_CHECKING:
+    from mtp_train.config import RunConfig
+
+DRAFTERS = ("head", "draft")
+
+
+@dataclass
+class ValidateConfig:
+    teacher_forced: bool = True  # metrics on run_dir/store/val
+    depth: int = 0  # unrolled depth of the teacher-forced metrics; 0 = max_k
+    val_samples: int = 0  # val store samples they use, spread evenly over it (0: all)
+    num_prompts: int = 32  # held-out prompts decoded (0: no decoding)
+    max_prompt_tokens: int = 512  # longer prompts are skipped
+    max_new_tokens: int = 128
+    max_k: int = 5  # k = 1 .. max_k
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])  # 0 = greedy
+    drafters: list[str] = field(default_factory=lambda: list(DRAFTERS))  # draft only with target.draft_path
+    batch_size: int = 1  # prompts decoded together (1 = the latency setting speculative decoding is for)
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_k", "max_new_tokens", "batch_size", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"validate.{name}={getattr(self, name)}: must be >= 1")
+        for name in ("depth", "num_prompts", "val_samples"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"validate.{name}={getattr(self, name)}: must be >= 0")
+        if any(t < 0 for t in self.temperatures) or not self.temperatures:
+            raise ValueError(f"validate.temperatures={list(self.temperatures)}: one or more values >= 0 (0 is greedy)")
+        bad = [d for d in self.drafters if d not in DRAFTERS]
+        if bad or not self.drafters:
+            raise ValueError(f"validate.drafters={list(self.drafters)}: expected a non-empty subset of "
+                             f"{list(DRAFTERS)}")
+
+
+# -- held-out prompts -------------------------------------------------------------------------------------
+def held_out_prompts(data_dir: str | Path, n: int, max_tokens: int) -> tuple[list[list[int]], str]:
+    """`n` prompts from the prepared val split, spread evenly over it: conversations first, cut where the
+    first trained (assistant) token starts, then documents cut at half their length. Returns the prompts
+    and a line saying what they are."""
+    import datasets
+
+    path = Path(data_dir) / "val"
+    if not (path / "dataset_info.json").is_file():
+        raise FileNotFoundError(f"no prepared val split at {path}: run mtp-train prepare first (validate decodes "
+                                "its held-out prompts)")
+    ds = datasets.load_from_disk(str(path))
+    chats, docs = [], []
+    for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
+        first = next((i for i, m in enumerate(mask) if m), len(mask))
+        if 0 < first <= max_tokens and first < len(ids):
+            chats.append(list(ids[:first]))
+        elif first == 0 and len(ids) >= 4:
+            docs.append(list(ids[:min(len(ids) // 2, max_tokens)]))
+
+    def spread(pool: list, m: int) -> list:
+        return [pool[i * len(pool) // m] for i in range(m)] if m < len(pool) else list(pool)
+
+    conversations = spread(chats, n)
+    documents = spread(docs, n - len(conversations))
+    return conversations + documents, (f"{path}: {len(conversations)} conversations cut at the assistant turn, "
+                                       f"{len(documents)} documents cut at half")
+
+
+# -- teacher-forced -----------------------------------------------------------------------------------------
+def teacher_forced(cfg: "RunConfig", head: torch.nn.Module, frozen, device: torch.device, depth: int) -> dict:
+    """The training metrics on the val store at `depth`, with the trainer's own evaluation code and its
+    numerics (an fp32 head; bf16 autocast and bf16 frozen E / W when `train.precision=bf16`), on
+    `validate.val_samples` samples spread evenly over the store, or all of them."""
+    from mtp_train.store.reader import StoreReader
+    from mtp_train.train.data import loader
+    from mtp_train.train.trainer import evaluate
+
+    split = Path(cfg.run_dir) / "store" / "val"
+    if not (split / "manifest.json").is_file():
+        raise FileNotFoundError(f"no hidden-state store at {split}: run mtp-train precompute with the same recipe "
+                                f"and run_dir={cfg.run_dir} first (or validate.teacher_forced=false)")
+    reader = StoreReader(split)
+    data_manifest = Path(cfg.run_dir) / "data" / "manifest.json"
+    reader.check_identity(target_path=cfg.target.path, tokenizer_path=cfg.target.path,
+                          data_manifest=data_manifest if data_manifest.is_file() else None)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.train.precision == "bf16" \
+        else nullcontext
+    n, m = len(reader), cfg.validate.val_samples
+    chosen = range(n) if not m or m >= n else [i * n // m for i in range(m)]
+    order = sorted(chosen, key=lambda i: (reader.lengths[i], i))  # length order: little padding
+    mb = cfg.train.micro_batch
+    batches = [order[i:i + mb] for i in range(0, len(order), mb)]
+    m = evaluate(head, frozen, loader(reader, batches), depth, cfg.train.loss, device, autocast)
+    loss = cfg.train.loss
+    terms = [{"depth": d, "feat": m.get(f"d{d}/feat"), "ce": m.get(f"d{d}/ce"), "positions": m[f"d{d}/n"]}
+             for d in range(1, depth + 1)]
+    val_loss = sum(loss.gamma ** (t["depth"] - 1) * (loss.w_feat * t["feat"] + loss.w_logit * t["ce"])
+                   for t in terms if t["positions"])
+    return {"val_loss": val_loss, "val_samples": len(order), "loss_terms_by_depth": terms,
+            "accuracy_by_depth": [m.get(f"d{d}/acc") for d in range(1, depth + 1)],
+            "expected_acceptance_by_depth": [m.get(f"d{d}/accept") for d in range(1, depth + 1)]}
+
+
+# -- real decoding --------------------------------------------------------------------------------------------
+def decode_all(target: CausalLMRunner, drafter: Drafter | None, prompts: list[list[int]], k: int,
+               sampling: SamplingConfig, max_new_tokens: int, stop: set[int], batch_size: int, seed: int):
+    """Every prompt, `batch_size` at a time; batch i samples with seed + i. -> (tokens per prompt, stats)."""
+    tokens, total = [], None
+    for i in range(0, len(prompts), batch_size):
+        gen = torch.Generator(target.device).manual_seed(seed + i)
+        out = generate(target, prompts[i:i + batch_size], drafter=drafter, k=k, sampling=sampling,
+                       max_new_tokens=max_new_tokens, stop_tokens=stop, generator=gen)
+        tokens += out.tokens
+        total = out.stats if total is None else total.add(out.stats)
+    return tokens, total
+
+
+def decoding(cfg: "RunConfig", target: CausalLMRunner, drafters: dict[str, Drafter], prompts: list[list[int]],
+             stop: set[int], say=print) -> tuple[list[dict], list[dict]]:
+    """(entries per drafter, temperature and k; the target-only baselines per temperature)."""
+    v = cfg.validate
+    decode = lambda drafter, k, sampling: decode_all(target, drafter, prompts, k, sampling,  # noqa: E731
+                                                     v.max_new_tokens, stop, v.batch_size, cfg.seed)
+    decode(None, 0, SamplingConfig())  # warm-up: first calls allocate
+    baselines, entries = {}, []
+    for t in v.temperatures:
+        tokens, s = decode(None, 0, SamplingConfig(temperature=t))
+        baselines[t] = {"temperature": t, "tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens,
+                        "tokens": tokens}
+        say(f"validate: target only, T={t:g}: {s.tokens_per_s:.1f} tokens/s")
+    for name, drafter in drafters.items():
+        for t in v.temperatures:
+            for k in range(1, v.max_k + 1):
+                tokens, s = decode(drafter, k, SamplingConfig(temperature=t))
+                base = baselines[t]
+                entries.append({
+                    "drafter": name, "k": k, "temperature": t, "tau": s.tau,
+                    "acceptance_by_position": s.acceptance_by_position,
+                    "tokens_per_s": s.tokens_per_s, "target_only_tokens_per_s": base["tokens_per_s"],
+                    "speedup": s.tokens_per_s / base["tokens_per_s"],
+                    "greedy_identical": tokens == base["tokens"] if t == 0 else None,
+                    "greedy_identical_prompts": sum(a == b for a, b in zip(tokens, base["tokens"])) if t == 0
+                    else None,
+                    "num_prompts": len(prompts), "new_tokens": s.new_tokens, "steps": s.steps,
+                    "drafted": s.drafted, "accepted": s.accepted})
+                say(f"validate: {name} T={t:g} k={k}: tau {s.tau:.2f}, {s.tokens_per_s:.1f} tokens/s")
+    return entries, [{k: b[k] for k in ("temperature", "tokens_per_s", "new_tokens")} for b in baselines.values()]
+
+
+# -- report -----------------------------------------------------------------------------------------------------
+def _fmt(x, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def format_table(report: dict) -> str:
+    h = report["head"]
+    lines = [f"validation of {h['checkpoint']} ({h['variant']}, trained at depth {h['depth']}, step {h['step']})"]
+    if report.get("val_loss") is not None:
+        terms = report["loss_terms_by_depth"]
+        lines.append(f"teacher-forced on the val store ({report['val_samples']:,} samples, {terms[0]['positions']:,} "
+                     f"positions at depth 1): val_loss {report['val_loss']:.4f}")
+        lines.append(f"  {'depth':<6}{'acc':>8}{'accept':>8}{'feat':>9}{'ce':>9}")
+        for t, acc, acc_p in zip(terms, report["accuracy_by_depth"], report["expected_acceptance_by_depth"]):
+            lines.append(f"  {t['depth']:<6}{_fmt(acc, '8.3f')}{_fmt(acc_p, '8.3f')}{_fmt(t['feat'], '9.4f')}"
+                         f"{_fmt(t['ce'], '9.4f')}")
+    dec = report.get("decoding") or []
+    if dec:
+        s = report["decoding_settings"]
+        lines.append(f"speculative decoding: {dec[0]['num_prompts']} held-out prompts, up to {s['max_new_tokens']} "
+                     f"new tokens, batch {s['batch_size']}, {s['device']}")
+        lines.append(f"  {'drafter':<8}{'T':>4}{'k':>3}{'tau':>7}  {'acceptance by position':<30}{'tok/s':>8}"
+                     f"{'speed-up':>10}  greedy = target")
+        for b in report["target_only"]:
+            lines.append(f"  {'none':<8}{b['temperature']:>4g}{'-':>3}{1.0:>7.2f}  {'':<30}{b['tokens_per_s']:>8.1f}"
+                         f"{1.0:>9.2f}x")
+        for e in dec:
+            acc = " ".join(f"{a:.2f}" for a in e["acceptance_by_position"])
+            same = {True: "yes", False: "NO", None: ""}[e["greedy_identical"]]
+            lines.append(f"  {e['drafter']:<8}{e['temperature']:>4g}{e['k']:>3}{e['tau']:>7.2f}  {acc:<30}"
+                         f"{e['tokens_per_s']:>8.1f}{e['speedup']:>9.2f}x  {same}")
+    return "\n".join(lines)
+
+
+def _series(report: dict) -> list[tuple[str, float, list[dict]]]:
+    """(drafter, temperature, its entries by k) for every curve in the report."""
+    dec = report.get("decoding") or []
+    keys = sorted({(e["drafter"], e["temperature"]) for e in dec}, key=lambda x: (x[0] != "head", x))
+    return [(d, t, sorted((e for e in dec if (e["drafter"], e["temperature"]) == (d, t)), key=lambda e: e["k"]))
+            for d, t in keys]
+
+
+def _label(drafter: str, t: float) -> str:
+    return f"{drafter}, {'greedy' if t == 0 else f'T={t:g}'}"
+
+
+def draw_acceptance(ax, report: dict) -> None:
+    """P(drafts 1..j all kept) against j, at the largest k of each drafter and temperature."""
+    for name, t, es in _series(report):
+        e = es[-1]
+        ax.plot(range(1, e["k"] + 1), e["acceptance_by_position"], "-" if t == 0 else "--", marker="o",
+                label=f"{_label(name, t)}, k={e['k']}")
+    ax.set(xlabel="draft position j", ylabel="P(drafts 1..j all accepted)", ylim=(0, 1.02),
+           title="Acceptance by position (real speculative decoding)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def draw_tau(ax_tau, ax_speed, report: dict) -> None:
+    """τ and the speed-up over the target alone against k, one curve per drafter and temperature."""
+    for name, t, es in _series(report):
+        ks, style = [e["k"] for e in es], "-" if t == 0 else "--"
+        ax_tau.plot(ks, [e["tau"] for e in es], style, marker="o", label=_label(name, t))
+        ax_speed.plot(ks, [e["speedup"] for e in es], style, marker="o", label=_label(name, t))
+    for ax, what in ((ax_tau, "τ: tokens per target forward"), (ax_speed, "tokens/s ÷ target-only tokens/s")):
+        ax.axhline(1.0, color="grey", lw=1, label="target only")
+        ax.set(xlabel="k (drafted tokens per target forward)", ylabel=what)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+    ax_tau.set_title("τ against k")
+    ax_speed.set_title(f"speed-up ({(report.get('decoding_settings') or {}).get('device', '')})")
+    ax_tau.legend()
+
+
+def plot(report: dict, out_dir: Path) -> list[Path]:
+    """acceptance_by_position.png and tau_vs_k.png (τ and speed-up against k, head vs draft LM)."""
+    from matplotlib.figure import Figure  # no pyplot: a library leaves the global backend alone
+
+    if not report.get("decoding"):
+        return []
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    draw_acceptance(fig.add_subplot(), report)
+    paths = [out_dir / "acceptance_by_position.png"]
+    fig.savefig(paths[-1], dpi=120)
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
+    draw_tau(*fig.subplots(1, 2), report)
+    paths.append(out_dir / "tau_vs_k.png")
+    fig.savefig(paths[-1], dpi=120)
+    return paths
+
+
+def run(cfg: "RunConfig") -> dict:
+    from mtp_train.generate import check_drafter, load_draft, load_head_module, stop_tokens
+    from mtp_train.model.frozen import FrozenTarget
+    from mtp_train.model.target import load_tokenizer, resolve_device
+
+    v = cfg.validate
+    t0 = time.perf_counter()
+    check_drafter(cfg, "head")  # before loading any weights: no checkpoint -> "run mtp-train train first"
+    names = [d for d in v.drafters if d == "head" or cfg.target.draft_path]
+    if "draft" in v.drafters and not cfg.target.draft_path:
+        print("validate: target.draft_path is not set, so the draft LM is not compared")
+    prompts, source = (held_out_prompts(Path(cfg.run_dir) / "data", v.num_prompts, v.max_prompt_tokens)
+                       if v.num_prompts else ([], ""))
+    if v.num_prompts and not prompts:
+        raise ValueError(f"no held-out prompt in {Path(cfg.run_dir) / 'data' / 'val'}: no conversation's assistant "
+                         f"turn starts within validate.max_prompt_tokens={v.max_prompt_tokens} tokens and no "
+                         "document has 4 tokens; raise validate.max_prompt_tokens, or set validate.num_prompts=0")
+    if len(prompts) < v.num_prompts:
+        print(f"validate: only {len(prompts)} held-out prompts of the {v.num_prompts} asked for ({source})")
+    if not v.teacher_forced and not prompts:
+        raise ValueError("nothing to validate: validate.teacher_forced=false and validate.num_prompts=0")
+    # real decoding needs the whole target on one device; the teacher-forced metrics only its E and W
+    target = load_runner(cfg.target.path, cfg.target) if prompts else None
+    device = target.device if target is not None else resolve_device(cfg.target.device)
+    frozen_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    head, meta = load_head_module(cfg, device, torch.float32)  # fp32 as trained; decoding casts it below
+    report: dict = {"head": {"checkpoint": meta["checkpoint"], "variant": meta["variant"], "step": meta["step"],
+                             "depth": meta.get("depth")},
+                    "val_loss": None, "loss_terms_by_depth": [], "accuracy_by_depth": [],
+                    "expected_acceptance_by_depth": [], "decoding": [], "target_only": []}
+    if v.teacher_forced:
+        if target is not None:  # share the loaded target's tensors (a cast copy only if dtypes differ)
+            frozen = FrozenTarget(target.model.get_input_embeddings().weight.to(frozen_dtype),
+                                  target.lm_head.weight.to(frozen_dtype))
+        else:
+            frozen = FrozenTarget.from_pretrained(cfg.target.path, frozen_dtype, device)
+        report.update(teacher_forced(cfg, head, frozen, device, v.depth or v.max_k))
+        del frozen
+    if prompts:
+        tokenizer = load_tokenizer(cfg.target.path)
+        drafters = {"head": HeadDrafter(head.to(target.dtype), target.model.get_input_embeddings(), target.lm_head)} \
+            if "head" in names else {}
+        if "draft" in names:
+            drafters["draft"] = load_draft(cfg, target)
+        entries, baselines = decoding(cfg, target, drafters, prompts, stop_tokens(tokenizer, target))
+        report["decoding"], report["target_only"] = entries, baselines
+        report["decoding_settings"] = {
+            "prompts": source,
+            "num_prompts": len(prompts), "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
+            "max_new_tokens": v.max_new_tokens, "batch_size": v.batch_size, "temperatures": list(v.temperatures),
+            "device": str(target.device), "dtype": cfg.target.dtype, "torch_threads": torch.get_num_threads(),
+            "machine": platform.machine(), "processor": platform.processor() or platform.machine()}
+    report["config"] = asdict(v)
+    report["seconds"] = time.perf_counter() - t0
+    out_dir = Path(cfg.run_dir) / "validation"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "report.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(path)
+    plots = plot(report, out_dir) if v.plots else []
+    print(format_table(report))
+    print(f"wrote {path}" + "".join(f", {p.name}" for p in plots) + f" ({report['seconds']:.0f} s)")
+    return report
