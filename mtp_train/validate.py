@@ -267,6 +267,7 @@ def run(cfg: "RunConfig") -> dict:
     from mtp_train.generate import check_drafter, load_draft, load_head_module, stop_tokens
     from mtp_train.model.frozen import FrozenTarget
     from mtp_train.model.target import load_tokenizer, resolve_device
+    from mtp_train.store.format import sha256_file
 
     v = cfg.validate
     t0 = time.perf_counter()
@@ -290,7 +291,8 @@ def run(cfg: "RunConfig") -> dict:
     frozen_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     head, meta = load_head_module(cfg, device, torch.float32)  # fp32 as trained; decoding casts it below
     report: dict = {"head": {"checkpoint": meta["checkpoint"], "variant": meta["variant"], "step": meta["step"],
-                             "depth": meta.get("depth")},
+                             "depth": meta.get("depth"),
+                             "sha256": sha256_file(Path(meta["checkpoint"]) / "head.safetensors")},
                     "val_loss": None, "loss_terms_by_depth": [], "accuracy_by_depth": [],
                     "expected_acceptance_by_depth": [], "decoding": [], "target_only": []}
     if v.teacher_forced:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mtp_train import __version__
 from mtp_train.export.layouts import EAGLE, HF_MTP, NEXTN
 
 if TYPE_CHECKING:
@@ -59,8 +60,11 @@ def choose_format(requested: str, variant: str, model_type: str) -> str:
                          "into a layer without input norm and no final norm. Use format=hf-mtp, or train with "
                          "head.variant=eagle1")
     if fmt in (HF_MTP, NEXTN) and variant != "mtp":
+        hint = "use format=eagle" if model_type == "llama" else \
+            (f"no layout here serves an eagle1 head on a {model_type!r} target (eagle is Llama-only): train with "
+             "head.variant=mtp")
         raise ValueError(f"format={fmt} is for mtp heads (enorm, hnorm, eh_proj, post_norm); this head is "
-                         f"{variant!r}: use format=eagle")
+                         f"{variant!r}: {hint}")
     if fmt == NEXTN and model_type != "deepseek_v2":
         raise ValueError(f"format=deepseek-nextn is the MTP layout of DeepSeek models (vLLM's DeepSeekMTPModel); "
                          f"this target is {model_type!r}: use format=hf-mtp")
@@ -108,7 +112,9 @@ def _jobs(fmt: str, state: dict, target_dir: Path, target_config: dict, dtype: s
     if fmt == HF_MTP:
         layout = layouts.hf_mtp(target_config)
         tensors = layout.to_export(state)
-        config = layouts.exported_config(target_config, layout, dtype)
+        # the stitched config keeps the target's dtype: it is the dtype the whole model loads in (`dtype="auto"`),
+        # and transformers casts the MTP layer to the main model's dtype anyway
+        config = {**target_config, **layout.config}
         return [("hf-mtp", layout, plain(layout, tensors), True),
                 ("hf-mtp-stitched", layout, lambda tmp: stitch(tmp, target_dir, cast(tensors), config), True)]
     if fmt == EAGLE:
@@ -165,10 +171,22 @@ def run(cfg: "RunConfig") -> list[Path]:
                       config_sha256=sha256_file(target_dir / "config.json"), fingerprint=fingerprint, dtype=dtype,
                       train=resolved.get("train", {}), manifest=_read_json(manifest_path),
                       report=_read_json(report_path))
-    written = []
+    jobs = []
     for name, layout, write, exact in _jobs(fmt, state, target_dir, target_config, dtype):
         out = run_dir / "export" / name
-        identity = hashlib.sha256(json.dumps({"layout": name, **inputs}, sort_keys=True).encode()).hexdigest()
+        # the exporter's own version and layout tables too: a fixed layout is written again, not "up to date"
+        made_by = {"layout": name, "exporter": __version__, "renames": layout.renames,
+                   "target_tensors": layout.target_tensors, "config": layout.config}
+        identity = hashlib.sha256(json.dumps({**made_by, **inputs}, sort_keys=True).encode()).hexdigest()
+        jobs.append((name, layout, write, exact, out, identity))
+    # every directory of the format is checked before any is written: never a new hf-mtp beside an old stitched one
+    for name, _, _, _, out, identity in jobs:
+        if not is_up_to_date(out, identity) and out.exists() and any(out.iterdir()) and not e.overwrite:
+            raise ValueError(f"{out} is not empty and holds another export (another checkpoint, dtype or target, "
+                             "or an older exporter, or not an export); pass overwrite=true to replace it, or move "
+                             "it away (nothing was written)")
+    written = []
+    for name, layout, write, exact, out, identity in jobs:
         written.append(out)
         if is_up_to_date(out, identity):
             text = model_card(name, out, listing(out), card)
@@ -182,7 +200,7 @@ def run(cfg: "RunConfig") -> list[Path]:
         with staged(out, e.overwrite) as tmp:
             write(tmp)
             check_round_trip(head, read_back(tmp, layout, meta["variant"]), exact, out)
-            (tmp / CARD).write_text(model_card(name, out, listing(tmp), card))
+            replace_text(tmp / CARD, model_card(name, out, listing(tmp), card))
             write_json(tmp / EXPORT_JSON, {"identity": identity, "layout": name, "format": fmt, "dtype": dtype,
                                            "checkpoint": str(ckpt), "step": meta["step"],
                                            "target_path": str(target_dir.resolve()), "target_fingerprint": fingerprint})

@@ -64,9 +64,27 @@ def _data(manifest: dict | None) -> str:
     return "\n".join(rows) + (f"\n\nSources: {sources}." if sources else "")
 
 
-def _validation(report: dict | None) -> str:
+def report_is_for(report: dict | None, checkpoint: str, step: int) -> bool:
+    """The validation report measured this checkpoint: the same head weights (sha256 of head.safetensors),
+    or, for a report without the hash, the same step and checkpoint directory name."""
+    head = (report or {}).get("head") or {}
+    if not report:
+        return False
+    if head.get("sha256"):
+        from mtp_train.store.format import sha256_file
+
+        return head["sha256"] == sha256_file(Path(checkpoint) / "head.safetensors")
+    return head.get("step") == step and Path(str(head.get("checkpoint", ""))).name == Path(checkpoint).name
+
+
+def _validation(report: dict | None, c: "CardInputs") -> str:
     if not report:
         return "No validation report (`run_dir/validation/report.json`): run `mtp-train validate` before exporting."
+    if not report_is_for(report, c.checkpoint, c.meta["step"]):
+        head = report.get("head") or {}
+        return (f"The run's validation report (`run_dir/validation/report.json`) measured "
+                f"`{head.get('checkpoint')}` (step {head.get('step')}), not this checkpoint; its figures are left "
+                "out. Validate this checkpoint, then export again.")
     from mtp_train.validate import format_table
 
     return ("Figures of `mtp-train validate` for the exported checkpoint (τ: tokens per target forward, bonus "
@@ -134,7 +152,10 @@ vllm serve {target} --trust-remote-code \\
     --speculative-config '{{"method": "deepseek_mtp", "model": "{out}", "num_speculative_tokens": 1}}'
 ```
 
-With `num_speculative_tokens` > 1 vLLM feeds the layer's output *before* `shared_head.norm` back into it,
+Untested in vLLM itself (the key names and config fields follow vllm/model_executor/models/deepseek_mtp.py;
+vLLM's own config override renames `deepseek_v3` targets to `deepseek_mtp`, not `deepseek_v2` ones, so this
+directory relies on its `architectures` and `n_predict`): check the first run's acceptance against the figures
+above. With `num_speculative_tokens` > 1 vLLM feeds the layer's output *before* `shared_head.norm` back into it,
 while this head was trained on its normed output (as transformers' MTP and SGLang's NextN chain it):
 drafts after the first may be accepted less often.
 
@@ -175,7 +196,7 @@ unless the layout requires them).
 
 ## Validation
 
-{_validation(c.report)}
+{_validation(c.report, c)}
 
 ## Files
 

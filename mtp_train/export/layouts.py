@@ -67,12 +67,20 @@ def mtp_layer(n: int) -> str:
     return f"model.layers.{n}."
 
 
+def built_config(target_config: dict) -> dict:
+    """The config as transformers builds it from config.json (fields its class fills in included)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in target_config.items() if k != "model_type"}
+    return AutoConfig.for_model(target_config["model_type"], **fields).to_dict()
+
+
 def hf_mtp(target_config: dict) -> Layout:
     n = target_config["num_hidden_layers"]
     p = mtp_layer(n)
     extra = {"num_mtp_layers": 1, "num_nextn_predict_layers": 1}
-    if target_config.get("layer_types"):  # get_mtp_config refuses layer_types without mtp_layer_types
-        extra["mtp_layer_types"] = ["full_attention"]
+    if built_config(target_config).get("layer_types"):  # get_mtp_config refuses layer_types without
+        extra["mtp_layer_types"] = ["full_attention"]  # mtp_layer_types (Qwen2/3 configs fill layer_types in)
     return Layout(HF_MTP, {**{f"{part}.": f"{p}{part}." for part in MTP_PARTS}, "mtp_block.": p},
                   config=extra)
 

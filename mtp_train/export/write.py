@@ -64,6 +64,8 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def replace_text(path: Path, text: str) -> None:
+    """Write `path` through a temporary file and a rename: never through a link at `path` (a stitched
+    directory's links point into the target, which an export must not change)."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
@@ -91,7 +93,10 @@ def stitch(out: Path, target_dir: Path, head_tensors: dict[str, torch.Tensor], c
     if HEAD_SHARD in names.values():
         raise ValueError(f"target {target_dir} already has a file named {HEAD_SHARD}")
     for entry in sorted(target_dir.iterdir()):
-        if entry.name in ("config.json", INDEX) or entry.name.startswith("."):
+        if entry.name in ("config.json", INDEX, EXPORT_JSON) or entry.name.startswith("."):
+            continue
+        if entry.name == CARD:  # the export writes its own card: the target's is linked beside it, read-only
+            (out / f"target-{CARD}").symlink_to(entry)
             continue
         (out / names.get(entry.name, entry.name)).symlink_to(entry)
     save_weights(head_tensors, out / HEAD_SHARD)
