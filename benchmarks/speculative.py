@@ -75,7 +75,7 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.target.path)
     target = load_runner(cfg.target.path, cfg.target)
     head, meta = load_head(cfg, target)
-    drafters = {"none": None, "draft": load_draft(cfg, target), "head": head}
+    drafters = {"none": None, "draft": load_draft(cfg, target, tokenizer), "head": head}
     prompts, source = held_out_prompts(Path(run_dir) / "data", args.prompts, 512)
     stop = stop_tokens(tokenizer, target)
     embed = target.model.get_input_embeddings().weight

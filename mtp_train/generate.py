@@ -128,19 +128,21 @@ def check_drafter(cfg: "RunConfig", kind: str) -> None:
         raise ValueError(f"unknown drafter {kind!r}: expected one of {', '.join(SPECULATIVE)}")
 
 
-def load_draft(cfg: "RunConfig", target: CausalLMRunner) -> LMDrafter:
+def load_draft(cfg: "RunConfig", target: CausalLMRunner, tokenizer=None) -> LMDrafter:
+    """The draft LM of `target.draft_path`, its tokenizer checked against the target's (`tokenizer`, when
+    the caller has it loaded)."""
     from mtp_train.model.target import check_draft_tokenizer
 
     check_drafter(cfg, "draft")
-    check_draft_tokenizer(cfg.target.path, cfg.target.draft_path)
+    check_draft_tokenizer(cfg.target.path, cfg.target.draft_path, tokenizer)
     return LMDrafter(load_runner(cfg.target.draft_path, cfg.target, "draft"), target.vocab_size)
 
 
-def load_drafter(cfg: "RunConfig", kind: str, target: CausalLMRunner) -> Drafter | None:
+def load_drafter(cfg: "RunConfig", kind: str, target: CausalLMRunner, tokenizer=None) -> Drafter | None:
     if kind == "head":
         return load_head(cfg, target)[0]
     if kind == "draft":
-        return load_draft(cfg, target)
+        return load_draft(cfg, target, tokenizer)
     return None
 
 
@@ -151,7 +153,7 @@ def run(cfg: "RunConfig") -> dict:
     check_drafter(cfg, g.speculative)  # before loading any weights
     tokenizer = load_tokenizer(cfg.target.path)
     target = load_runner(cfg.target.path, cfg.target)
-    drafter = load_drafter(cfg, g.speculative, target)
+    drafter = load_drafter(cfg, g.speculative, target, tokenizer)
     prompt = encode_prompt(tokenizer, g.prompt, g.chat)
     generator = torch.Generator(target.device).manual_seed(cfg.seed)
     out = generate(target, [prompt], drafter=drafter, k=g.k, sampling=g.sampling, max_new_tokens=g.max_new_tokens,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import platform
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -96,8 +95,8 @@ def teacher_forced(cfg: "RunConfig", head: torch.nn.Module, frozen, device: torc
     numerics (an fp32 head; bf16 autocast and bf16 frozen E / W when `train.precision=bf16`), on
     `validate.val_samples` samples spread evenly over the store, or all of them."""
     from mtp_train.store.reader import StoreReader
-    from mtp_train.train.data import loader
-    from mtp_train.train.trainer import evaluate
+    from mtp_train.train.data import length_batches, loader
+    from mtp_train.train.trainer import autocast_for, evaluate
 
     split = Path(cfg.run_dir) / "store" / "val"
     if not (split / "manifest.json").is_file():
@@ -107,20 +106,17 @@ def teacher_forced(cfg: "RunConfig", head: torch.nn.Module, frozen, device: torc
     data_manifest = Path(cfg.run_dir) / "data" / "manifest.json"
     reader.check_identity(target_path=cfg.target.path, tokenizer_path=cfg.target.path,
                           data_manifest=data_manifest if data_manifest.is_file() else None)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.train.precision == "bf16" \
-        else nullcontext
     n, m = len(reader), cfg.validate.val_samples
     chosen = range(n) if not m or m >= n else [i * n // m for i in range(m)]
-    order = sorted(chosen, key=lambda i: (reader.lengths[i], i))  # length order: little padding
-    mb = cfg.train.micro_batch
-    batches = [order[i:i + mb] for i in range(0, len(order), mb)]
-    m = evaluate(head, frozen, loader(reader, batches), depth, cfg.train.loss, device, autocast)
+    batches = length_batches(reader.lengths, cfg.train.micro_batch, chosen)
+    m = evaluate(head, frozen, loader(reader, batches), depth, cfg.train.loss, device,
+                 autocast_for(cfg.train.precision, device))
     loss = cfg.train.loss
     terms = [{"depth": d, "feat": m.get(f"d{d}/feat"), "ce": m.get(f"d{d}/ce"), "positions": m[f"d{d}/n"]}
              for d in range(1, depth + 1)]
     val_loss = sum(loss.gamma ** (t["depth"] - 1) * (loss.w_feat * t["feat"] + loss.w_logit * t["ce"])
                    for t in terms if t["positions"])
-    return {"val_loss": val_loss, "val_samples": len(order), "loss_terms_by_depth": terms,
+    return {"val_loss": val_loss, "val_samples": len(chosen), "loss_terms_by_depth": terms,
             "accuracy_by_depth": [m.get(f"d{d}/acc") for d in range(1, depth + 1)],
             "expected_acceptance_by_depth": [m.get(f"d{d}/accept") for d in range(1, depth + 1)]}
 
@@ -308,7 +304,7 @@ def run(cfg: "RunConfig") -> dict:
         drafters = {"head": HeadDrafter(head.to(target.dtype), target.model.get_input_embeddings(), target.lm_head)} \
             if "head" in names else {}
         if "draft" in names:
-            drafters["draft"] = load_draft(cfg, target)
+            drafters["draft"] = load_draft(cfg, target, tokenizer)
         entries, baselines = decoding(cfg, target, drafters, prompts, stop_tokens(tokenizer, target))
         report["decoding"], report["target_only"] = entries, baselines
         report["decoding_settings"] = {

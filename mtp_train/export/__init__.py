@@ -140,8 +140,8 @@ def run(cfg: "RunConfig") -> list[Path]:
     import yaml
 
     from mtp_train.export.card import CardInputs, model_card
-    from mtp_train.export.write import (CARD, EXPORT_JSON, check_round_trip, is_up_to_date, listing, read_back,
-                                        replace_text, staged, write_json)
+    from mtp_train.export.write import (CARD, EXPORT_JSON, check_replaceable, check_round_trip, is_up_to_date,
+                                        listing, read_back, replace_text, staged, write_json)
     from mtp_train.generate import read_head
     from mtp_train.model.target import check_model_dir, target_fingerprint
     from mtp_train.store.format import sha256_file
@@ -181,10 +181,7 @@ def run(cfg: "RunConfig") -> list[Path]:
         jobs.append((name, layout, write, exact, out, identity))
     # every directory of the format is checked before any is written: never a new hf-mtp beside an old stitched one
     for name, _, _, _, out, identity in jobs:
-        if not is_up_to_date(out, identity) and out.exists() and any(out.iterdir()) and not e.overwrite:
-            raise ValueError(f"{out} is not empty and holds another export (another checkpoint, dtype or target, "
-                             "or an older exporter, or not an export); pass overwrite=true to replace it, or move "
-                             "it away (nothing was written)")
+        check_replaceable(out, identity, e.overwrite)
     written = []
     for name, layout, write, exact, out, identity in jobs:
         written.append(out)
@@ -197,7 +194,7 @@ def run(cfg: "RunConfig") -> list[Path]:
                 print(f"export: {out} holds this head already; its model card is updated")
             continue
         t0 = time.perf_counter()
-        with staged(out, e.overwrite) as tmp:
+        with staged(out) as tmp:
             write(tmp)
             check_round_trip(head, read_back(tmp, layout, meta["variant"]), exact, out)
             replace_text(tmp / CARD, model_card(name, out, listing(tmp), card))

@@ -33,13 +33,17 @@ def is_up_to_date(out: Path, identity: str) -> bool:
         return False
 
 
+def check_replaceable(out: Path, identity: str, overwrite: bool) -> None:
+    """Refuse to replace a non-empty `out` that holds another export (or none), unless `overwrite`."""
+    if not is_up_to_date(out, identity) and out.exists() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"{out} is not empty and holds another export (another checkpoint, dtype or target, or an "
+                         "older exporter, or not an export); pass overwrite=true to replace it, or move it away "
+                         "(nothing was written)")
+
+
 @contextmanager
-def staged(out: Path, overwrite: bool):
-    """Yield an empty temporary directory; on success it replaces `out` (refused when `out` is a non-empty
-    directory and not `overwrite`)."""
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"{out} is not empty and holds another export (another checkpoint, dtype or target, or "
-                         "not an export); pass overwrite=true to replace it, or move it away")
+def staged(out: Path):
+    """Yield an empty temporary directory; on success it replaces `out` (`check_replaceable` first)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp"
     if tmp.exists():

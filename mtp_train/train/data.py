@@ -39,6 +39,14 @@ def rank_batches(lengths: Sequence[int], micro_batch: int, seed: int, epoch: int
     return batches[rank::world]
 
 
+def length_batches(lengths: Sequence[int], micro_batch: int, indices: Sequence[int] | None = None) -> list[list[int]]:
+    """Evaluation micro-batches: the samples `indices` (default all) in length order (little padding), cut
+    every `micro_batch`. Deterministic: the trainer's validation and `mtp-train validate` batch alike."""
+    chosen = range(len(lengths)) if indices is None else indices
+    order = sorted(chosen, key=lambda i: (lengths[i], i))
+    return [list(order[k:k + micro_batch]) for k in range(0, len(order), micro_batch)]
+
+
 def steps_per_epoch(n_samples: int, micro_batch: int, world: int, grad_accum: int) -> int:
     return (n_samples // micro_batch) // (world * grad_accum)
 

@@ -28,7 +28,7 @@ from mtp_train.model.frozen import FrozenTarget
 from mtp_train.model.head import DraftHead, unrolled
 from mtp_train.train import checkpoint as ckpt
 from mtp_train.train import distributed as dist
-from mtp_train.train.data import Collate, loader, rank_batches, steps_per_epoch
+from mtp_train.train.data import Collate, length_batches, loader, rank_batches, steps_per_epoch
 from mtp_train.train.log import MetricsLogger
 from mtp_train.train.loss import LossConfig, counted_positions, head_loss
 
@@ -144,6 +144,13 @@ def _averages(sums: torch.Tensor, depth: int) -> dict[str, float]:
     return out
 
 
+def autocast_for(precision: str, device: torch.device):
+    """`train.precision` as a context factory: bf16 autocast around the forward, or nothing for fp32."""
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext
+
+
 def evaluate(head: DraftHead, frozen: FrozenTarget, batches, depth: int, loss_cfg: LossConfig, device,
              autocast, steps: int | None = None, filler=None) -> dict[str, float]:
     """Teacher-forced validation metrics, weighted by counted positions over all batches of all ranks.
@@ -234,8 +241,7 @@ class Trainer:
                                         tc.activation_checkpointing)
         self.config_yaml = to_yaml(cfg)
         self.step, self.epoch, self.consumed = 0, 0, 0  # optimizer steps; data position (epoch, micro-batches)
-        self.autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) \
-            if tc.precision == "bf16" else nullcontext
+        self.autocast = autocast_for(tc.precision, self.device)
         self.ckpt_root = ckpt.checkpoint_root(self.run_dir)
         self.resumed_from, self.resumed_step = None, None
         if cfg.resume:
@@ -340,10 +346,7 @@ class Trainer:
     def val_batches(self, full: bool) -> list[list[int]]:
         """All val micro-batches (every val sample once, in length order: little padding); rank r takes
         every world-th."""
-        lengths = self.val_store.lengths
-        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-        mb = self.tc.micro_batch
-        batches = [order[k:k + mb] for k in range(0, len(order), mb)]
+        batches = length_batches(self.val_store.lengths, self.tc.micro_batch)
         if self.tc.eval_batches and not full:
             batches = batches[:: max(1, len(batches) // self.tc.eval_batches)][: self.tc.eval_batches]
         return batches
