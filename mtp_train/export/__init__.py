@@ -13,6 +13,10 @@
 `auto` picks the one that fits the head and the target. Key names and config fields per layout, and the
 loader files they follow, are in `layouts.py`. Every directory is read back into a `DraftHead` and must
 reproduce the trained head's output before it replaces anything, and gets a model card (`card.py`).
+
+A head trained with a draft vocabulary (`head.draft_vocab`) is exported without it: none of these layouts
+has one (their engines draft with the target's full lm_head), so `d2t` / `t2d` are left out and the card
+says so.
 """
 
 from __future__ import annotations
@@ -143,6 +147,7 @@ def run(cfg: "RunConfig") -> list[Path]:
     from mtp_train.export.write import (CARD, EXPORT_JSON, check_replaceable, check_round_trip, is_up_to_date,
                                         listing, read_back, replace_text, staged, write_json)
     from mtp_train.generate import read_head
+    from mtp_train.model.head import DRAFT_VOCAB_BUFFERS
     from mtp_train.model.target import check_model_dir, target_fingerprint
     from mtp_train.store.format import sha256_file
 
@@ -152,7 +157,9 @@ def run(cfg: "RunConfig") -> list[Path]:
     head, meta = read_head(cfg, Path(e.checkpoint) if e.checkpoint else None)
     fmt = choose_format(e.format, meta["variant"], target_config.get("model_type"))
     dtype = export_dtype(e.dtype, target_config)
-    state = head.state_dict()  # fp32; `head` becomes the reference: its weights rounded to `dtype`, computing in fp32
+    # fp32; `head` becomes the reference: its weights rounded to `dtype`, computing in fp32. No layout carries a
+    # draft vocabulary (the card says so); the round trip compares ĥ, which it does not change.
+    state = {k: v for k, v in head.state_dict().items() if k not in DRAFT_VOCAB_BUFFERS}
     head = head.to(getattr(torch, dtype)).float()
     ckpt = Path(meta["checkpoint"])
     report_path, manifest_path = run_dir / "validation" / "report.json", run_dir / "data" / "manifest.json"

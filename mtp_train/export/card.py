@@ -41,6 +41,32 @@ def _identity(c: CardInputs) -> str:
     ])
 
 
+def _draft_vocab(layout: str, c: CardInputs) -> str:
+    """What a draft vocabulary the head was trained with means for this layout ("" without one)."""
+    n = c.meta["head"].get("draft_vocab", 0)
+    if not n:
+        return ""
+    coverage = c.meta.get("draft_vocab_coverage")
+    covered = f", covering {coverage:.1%} of the trained positions" if coverage is not None else ""
+    engine = {"hf-mtp": "transformers' MTP (`generate(use_mtp=True)`) drafts over the full vocabulary through the "
+                        "shared lm_head",
+              "hf-mtp-stitched": "transformers' MTP (`generate(use_mtp=True)`) drafts over the full vocabulary "
+                                 "through the shared lm_head",
+              "eagle-vllm": "vLLM's EAGLE-1 draft uses the target's full lm_head",
+              "eagle-sglang": "SGLang's EAGLE-1 draft uses the target's full lm_head"}.get(
+        layout, "the engine drafts with the target's full lm_head (`shared_head.head`)")
+    return f"""## Draft vocabulary
+
+The head was trained with a draft vocabulary of {n:,} of the target's {c.target_config.get('vocab_size'):,} tokens
+(`head.draft_vocab={n}`: the most frequent tokens at the training data's trained positions{covered}), drafting
+with the target's lm_head rows for them only. This layout has no draft vocabulary, so it is not exported (no
+`d2t` / `t2d`): {engine}. The head's distribution over the other tokens was never trained, so drafts may
+differ from the ones measured in validation (which drafted over the draft vocabulary) and acceptance may be
+lower; greedy output stays the target's own.
+
+"""
+
+
 def _making(c: CardInputs) -> str:
     keys = ("steps", "micro_batch", "grad_accum", "lr", "depth", "precision", "strategy")
     settings = ", ".join(f"{k}={c.train[k]}" for k in keys if k in c.train)
@@ -186,7 +212,7 @@ unless the layout requires them).
 
 {_identity(c)}
 
-## How it was made
+{_draft_vocab(layout, c)}## How it was made
 
 {_making(c)}
 

@@ -100,6 +100,14 @@ class HeadDrafter(Drafter):
     def start(self, batch: int) -> None:
         self.cache = SlotCache(batch, self.device)
         self.committed = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.draft = self.head.draft_lm_head(self.lm_head.weight)  # W's rows for the head's draft vocabulary
+
+    def _draw(self, h: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ĥ [B, H] -> (target ids [B], q over the target's vocabulary [B, V], zero outside the head's draft
+        vocabulary; None when greedy): drawn over the draft vocabulary, mapped back by the head."""
+        d, q = _draw(self.draft.logits(h).float(), sampling, generator)
+        V = self.lm_head.weight.shape[0]
+        return self.draft.to_target(d), None if q is None else self.draft.to_target_probs(q, V)
 
     def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """One head forward over pairs (hidden [B, T, H], the next tokens [B, T]) right-aligned with valid."""
@@ -128,7 +136,7 @@ class HeadDrafter(Drafter):
         self.committed = self.cache.lengths.clone()
         drafted, qs = [], []
         for j in range(k):
-            d, q = _draw(self.lm_head(h).float(), sampling, generator)
+            d, q = self._draw(h, sampling, generator)
             drafted.append(d)
             qs.append(q)
             if j + 1 < k:  # chain: the head's own ĥ with the token it just drafted

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mtp_train.inference.cache import SlotCache
+from mtp_train.model.frozen import project
 from mtp_train.model.target import TargetConfig, load_causal_lm
 
 MASKABLE = ("sdpa", "eager")
@@ -78,7 +79,7 @@ class CausalLMRunner:
         cache.commit(valid)
         hidden = out.last_hidden_state  # [B, T, H], after the final norm
         tail = hidden if logits_last is None else hidden[:, -logits_last:]
-        return self.lm_head(tail).float(), hidden
+        return project(tail, self.lm_head.weight, self.lm_head.bias).float(), hidden
 
 
 def load_runner(path: str, target: TargetConfig, what: str = "target") -> CausalLMRunner:

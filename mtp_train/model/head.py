@@ -11,6 +11,13 @@ and transformers' `MtpLayer`:
 Variant `eagle1`, the original EAGLE head kept as an ablation and export option: `fc([E[x]; h])` into the
 decoder layer with its input norm removed and no final norm (ĥ = z).
 
+Draft vocabulary (`head.draft_vocab = N > 0`, any variant): the head drafts over N target tokens only (the
+most frequent trained tokens of the training data, `train/vocab.py`), with the frozen lm_head's rows for them,
+`W[draft_ids] ĥ`. The mapping is part of the head, as EAGLE-3's: persistent buffers `d2t` [N] (int64,
+target_id = draft_id + d2t[draft_id], draft ids in ascending target-id order so offsets are >= 0) and `t2d`
+[V] (bool, the target ids inside), saved in every checkpoint. `draft_lm_head(W)` is the one place where the
+rows are chosen and drafts are mapped back to target ids: the loss, validation and the drafter all call it.
+
 The pair (h_i, x_{i+1}) sits at position i+1 (rotary embeddings, KV cache), as in transformers' MTP
 generation. The frozen target tensors (embedding E, lm_head W) are not part of this module: the caller
 embeds tokens with `FrozenTarget` and passes the embeddings in, so head checkpoints and optimizers only
@@ -32,7 +39,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mtp_train.model.frozen import project
+
 VARIANTS = ("mtp", "eagle1")
+DRAFT_VOCAB_BUFFERS = ("d2t", "t2d")  # in the head's state dict with a draft vocabulary (head.draft_vocab > 0)
 
 # model_type -> (modeling module, decoder layer, rotary embedding, RMSNorm). Named explicitly: a family is
 # supported when its decoder layer has been checked to accept (hidden, mask, cache, position_embeddings).
@@ -49,8 +59,11 @@ class HeadConfig:
     variant: str = "mtp"  # mtp | eagle1
     fc_bias: bool = True  # eagle1's fc has a bias in the original EAGLE; mtp's eh_proj never does
     attn_implementation: str = "sdpa"  # sdpa | eager (the head always passes an explicit mask)
+    draft_vocab: int = 0  # draft over the N most frequent trained tokens of the train split; 0 = the full vocabulary
 
     def __post_init__(self) -> None:
+        if self.draft_vocab < 0:
+            raise ValueError(f"head.draft_vocab={self.draft_vocab}: must be >= 0 (0 drafts over the full vocabulary)")
         if self.variant not in VARIANTS:
             raise ValueError(f"head.variant={self.variant!r}: expected one of {', '.join(VARIANTS)}")
         if self.attn_implementation not in ("sdpa", "eager"):
@@ -120,9 +133,35 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ~allowed, torch.finfo(dtype).min)
 
 
+@dataclass(frozen=True)
+class DraftLMHead:
+    """The output layer a head drafts with. `weight` [N, H]: the rows of the target's lm_head W for the draft
+    vocabulary (W itself without one); `ids` [N]: the target id of each draft id, ascending, or None when
+    draft ids are target ids (the full vocabulary). Draft logits are `logits(ĥ)` [..., N]."""
+
+    weight: torch.Tensor
+    ids: torch.Tensor | None = None
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., N]
+        return project(h, self.weight)
+
+    def to_target(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Draft ids -> target ids (any shape)."""
+        return tokens if self.ids is None else self.ids[tokens]
+
+    def to_target_probs(self, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """A distribution over draft ids [..., N] -> the same over target ids [..., vocab_size], 0 outside."""
+        if self.ids is None:
+            return probs
+        out = probs.new_zeros(*probs.shape[:-1], vocab_size)
+        out[..., self.ids] = probs
+        return out
+
+
 class DraftHead(nn.Module):
     """The trainable head. Parameter names follow transformers' MtpLayer (`enorm`, `hnorm`, `eh_proj`,
-    `mtp_block.*`, `post_norm`) for `mtp`, and `fc`, `mtp_block.*` for `eagle1`."""
+    `mtp_block.*`, `post_norm`) for `mtp`, and `fc`, `mtp_block.*` for `eagle1`; with a draft vocabulary, the
+    buffers `d2t` and `t2d` (EAGLE-3's names and convention)."""
 
     def __init__(self, target_config, cfg: HeadConfig | None = None):
         super().__init__()
@@ -142,6 +181,13 @@ class DraftHead(nn.Module):
         if cfg.variant == "eagle1":
             self.mtp_block.input_layernorm = nn.Identity()
         self.post_norm = norm_cls(H, eps=eps) if cfg.variant == "mtp" else None
+        V, N = target_config.vocab_size, cfg.draft_vocab
+        if N >= V:
+            raise ValueError(f"head.draft_vocab={N} is not below the target's vocabulary size {V}: use "
+                             "head.draft_vocab=0 to draft over the full vocabulary")
+        if N:  # the first N ids until `set_draft_vocab` (training) or a checkpoint (`load_state_dict`) says otherwise
+            self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))  # target id = draft id + d2t[draft id]
+            self.register_buffer("t2d", torch.arange(V) < N)  # [V] bool: target ids inside the draft vocabulary
         self.rotary_emb = rotary_cls(config=self.config)  # buffers only, not persistent
         # transformers renamed the decoder layer's cache argument (past_key_values -> cache)
         params = inspect.signature(layer_cls.forward).parameters
@@ -165,6 +211,38 @@ class DraftHead(nn.Module):
         if isinstance(z, tuple):  # older decoder layers return (hidden_states, ...)
             z = z[0]
         return self.post_norm(z) if self.post_norm is not None else z
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """The target ids of the draft vocabulary [N], ascending; None without one."""
+        if not self.cfg.draft_vocab:
+            return None
+        return self.d2t + torch.arange(self.cfg.draft_vocab, device=self.d2t.device)
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Set the draft vocabulary: `ids`, N distinct target ids (any order)."""
+        N, V = self.cfg.draft_vocab, self.t2d.shape[0] if self.cfg.draft_vocab else 0
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten().sort().values
+        distinct = int(ids.unique().numel())
+        if not N or ids.numel() != N or distinct != N or int(ids[0]) < 0 or int(ids[-1]) >= V:
+            got = f"{ids.numel()} ids ({distinct} distinct" + (f", from {int(ids[0])} to {int(ids[-1])})"
+                                                              if ids.numel() else ")")
+            raise ValueError(f"set_draft_vocab: expected {N} distinct target ids in [0, {V}) for "
+                             f"head.draft_vocab={N}, got {got}")
+        with torch.no_grad():
+            self.d2t.copy_(ids - torch.arange(N))
+            self.t2d.zero_()
+            self.t2d[ids.to(self.t2d.device)] = True
+
+    def draft_lm_head(self, W: torch.Tensor) -> DraftLMHead:
+        """What the head drafts with, given the target's lm_head weight W [V, H]: W's rows for the draft
+        vocabulary and their target ids (W itself for the full vocabulary). The training loss, validation
+        and the drafter all form draft logits and map drafts back to target ids through this."""
+        ids = self.draft_ids
+        if ids is None:
+            return DraftLMHead(W)
+        ids = ids.to(W.device)
+        return DraftLMHead(W.index_select(0, ids), ids)
 
     def init_from_target(self, frozen) -> None:
         """Start `post_norm` from the target's final norm (the head's ĥ then lives where h does)."""

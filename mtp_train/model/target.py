@@ -58,9 +58,11 @@ def resolve_device(name: str) -> torch.device:
 
 def check_model_dir(path: str | Path, what: str = "target") -> Path:
     """A model directory that exists and has a config.json, or an error that says which is missing."""
+    from mtp_train.model.cache import fetch_hint
+
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise FileNotFoundError(f"{what} directory not found: {p}")
+        raise FileNotFoundError(f"{what} directory not found: {p}{fetch_hint(p)}")
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{what} directory {p} has no config.json (expected a Hugging Face model directory)")
     return p

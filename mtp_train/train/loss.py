@@ -8,6 +8,10 @@ positions in chunks, computes fp32 softmaxes, the loss, the metrics and the grad
 chunk by chunk in the forward pass, and keeps only that gradient ([tokens, H]) for backward. W is frozen,
 so no gradient for it is formed. Softmaxes are fp32; with a bf16 W (GPU runs) the logits come out of a
 bf16 matmul, so they carry bf16 rounding (~0.4% relative) before the fp32 softmax.
+
+With a draft vocabulary (`head.draft_vocab`) the draft's logits are formed over its tokens only (the head's
+`DraftLMHead`); the target's are still formed over the full vocabulary, for its argmax and for the expected
+acceptance, so the metrics mean what they mean for a full-vocabulary head (see `head_loss`).
 """
 
 from __future__ import annotations
@@ -39,35 +43,42 @@ class LossConfig:
 
 
 class ChunkedDistill(torch.autograd.Function):
-    """sum_n weight_n · CE(softmax(W x_n), softmax(W y_n / T)) over rows, plus metrics.
+    """sum_n weight_n · CE(q_n, p_n) over rows, plus metrics.
 
-    Inputs: x [N, H] (the head's ĥ, needs grad), y [N, H] (the target's h_next), W [V, H] frozen, weight [N].
-    Outputs: loss (scalar, differentiable in x), and per-row metrics [N, 2] (top-1 agreement with the
-    target's argmax, expected acceptance Σ min(p, q)), not differentiable.
+    Inputs: x [N, H] (the head's ĥ, needs grad), y [N, H] (the target's h_next), W [V, H] frozen, weight [N];
+    with a draft vocabulary also Wd [M, H] (its rows of W, frozen) and ids [M] (their target ids).
+    Full vocabulary: q = softmax(W x), p = softmax(W y / T). Draft vocabulary: q = softmax(Wd x) over the M
+    draft tokens and p the target's distribution renormalised over them, softmax((W y)[ids] / T); a row whose
+    target argmax (over the full vocabulary) is outside contributes no loss and no gradient.
+    Outputs: loss (scalar, differentiable in x), and per-row metrics [N, 3], not differentiable: top-1
+    agreement of the draft's argmax (as a target id) with the target's full-vocabulary argmax; expected
+    acceptance Σ_x min(p_full(x), q(x)) with p_full = softmax(W y / T) and q zero outside the draft vocabulary;
+    whether the target's argmax is inside the draft vocabulary (always 1 without one).
     """
 
     @staticmethod
-    def forward(ctx, x, y, W, weight, temperature: float, chunk: int):
+    def forward(ctx, x, y, W, weight, temperature: float, chunk: int, Wd=None, ids=None, stats=None):
         N = x.shape[0]
+        if Wd is not None and Wd.requires_grad:
+            raise NotImplementedError("a trainable draft lm_head needs its own gradient, which ChunkedDistill "
+                                      "does not form yet")
         grad = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
-        metrics = torch.zeros(N, 2, dtype=torch.float32, device=x.device)
-        for s in range(0, N, chunk):  # two [n, V] fp32 buffers per chunk, transformed in place
+        metrics = torch.ones(N, 3, dtype=torch.float32, device=x.device)
+        inside = None
+        if ids is not None:  # [V] bool: target ids in the draft vocabulary
+            inside = torch.zeros(W.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, ids, True)
+        for s in range(0, N, chunk):
             xs, ys, ws = x[s:s + chunk], y[s:s + chunk], weight[s:s + chunk].float()
-            p = (ys.to(W.dtype) @ W.T).float()  # target logits [n, V]
-            top_p = p.argmax(-1)
-            p.div_(temperature)
-            p.sub_(p.amax(-1, keepdim=True)).exp_()
-            p.div_(p.sum(-1, keepdim=True))  # p = softmax(W y / T)
-            d = (xs.to(W.dtype) @ W.T).float()  # draft logits [n, V]
-            metrics[s:s + chunk, 0] = (d.argmax(-1) == top_p).float()
-            d.sub_(d.logsumexp(-1, keepdim=True))  # log q
-            loss -= (ws * (p.unsqueeze(1) @ d.unsqueeze(2)).view(-1)).sum()  # Σ p log q without a temporary
-            d.exp_().sub_(p)  # q - p = d CE / d logits (Σp = 1)
-            metrics[s:s + chunk, 1] = 1 - 0.5 * torch.linalg.vector_norm(d, ord=1, dim=-1)  # Σ min(p, q)
-            if grad is not None:  # chain through x @ W.T
-                grad[s:s + chunk] = (d.mul_(ws[:, None]).to(W.dtype) @ W).to(x.dtype)
-            del p, d
+            if ids is None:
+                part, g = _full_chunk(xs, ys, W, ws, temperature, metrics[s:s + chunk])
+            else:
+                st = None if stats is None else (stats[0][s:s + chunk], stats[1][s:s + chunk])
+                part, g = _draft_chunk(xs, ys, W, Wd, ids, inside, ws, temperature, metrics[s:s + chunk], st)
+            loss += part
+            if grad is not None:
+                grad[s:s + chunk] = g.to(x.dtype)
+            del g
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
@@ -75,11 +86,80 @@ class ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_metrics):
         (grad,) = ctx.saved_tensors
-        return (None if grad is None else grad * grad_loss.to(grad.dtype)), None, None, None, None, None
+        return (None if grad is None else grad * grad_loss.to(grad.dtype)), None, None, None, None, None, None, None, \
+            None
 
 
-def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024):
-    return ChunkedDistill.apply(x, y, W, weight, temperature, chunk)
+def _softmax_(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """softmax(logits / T) over the last dim, in place (fp32)."""
+    if temperature != 1.0:
+        logits.div_(temperature)
+    logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+    return logits.div_(logits.sum(-1, keepdim=True))
+
+
+def _full_chunk(xs, ys, W, ws, temperature, metrics):
+    """One chunk over the full vocabulary: two [n, V] fp32 buffers, transformed in place. Fills metrics[:, :2];
+    returns the chunk's weighted loss and its gradient with respect to xs."""
+    p = (ys.to(W.dtype) @ W.T).float()  # target logits [n, V]
+    top_p = p.argmax(-1)
+    _softmax_(p, temperature)  # p = softmax(W y / T)
+    d = (xs.to(W.dtype) @ W.T).float()  # draft logits [n, V]
+    metrics[:, 0] = (d.argmax(-1) == top_p).float()
+    d.sub_(d.logsumexp(-1, keepdim=True))  # log q
+    loss = -(ws * (p.unsqueeze(1) @ d.unsqueeze(2)).view(-1)).sum()  # Σ p log q without a temporary
+    d.exp_().sub_(p)  # q - p = d CE / d logits (Σp = 1)
+    metrics[:, 1] = 1 - 0.5 * torch.linalg.vector_norm(d, ord=1, dim=-1)  # Σ min(p, q)
+    return loss, d.mul_(ws[:, None]).to(W.dtype) @ W  # chain through x @ W.T
+
+
+def target_stats(y: torch.Tensor, W: torch.Tensor, temperature: float, chunk: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows of target hidden states y [P, H]: the full-vocabulary argmax of W y [P] and logsumexp(W y / T)
+    [P] (fp32), chunked (one [chunk, V] buffer). With them a draft-vocabulary loss needs only the draft
+    vocabulary's rows of W: p_full(x) = exp((W y)_x / T - lse) for x inside."""
+    top = torch.empty(y.shape[0], dtype=torch.long, device=y.device)
+    lse = torch.empty(y.shape[0], dtype=torch.float32, device=y.device)
+    with torch.no_grad():
+        for s in range(0, y.shape[0], chunk):
+            logits = (y[s:s + chunk].to(W.dtype) @ W.T).float()
+            top[s:s + chunk] = logits.argmax(-1)
+            if temperature != 1.0:
+                logits.div_(temperature)
+            lse[s:s + chunk] = logits.logsumexp(-1)
+            del logits
+    return top, lse
+
+
+def _draft_chunk(xs, ys, W, Wd, ids, inside, ws, temperature, metrics, stats=None):
+    """One chunk over a draft vocabulary of M tokens: three [n, M] fp32 buffers, and one [n, V] unless `stats`
+    (the rows' `target_stats`) is given. Fills metrics[:, :3]; returns the chunk's weighted loss and its
+    gradient with respect to xs."""
+    if stats is None:
+        stats = target_stats(ys, W, temperature, ys.shape[0])
+    top_p, lse = stats
+    kept = inside[top_p]  # the target's argmax is a draft token
+    ws = ws * kept
+    p = (ys.to(Wd.dtype) @ Wd.T).float()  # target logits over the draft vocabulary [n, M]
+    if temperature != 1.0:
+        p.div_(temperature)
+    p_sub = _softmax_(p.clone())  # the target renormalised over the draft vocabulary
+    p.sub_(lse[:, None]).exp_()  # p_full over the draft vocabulary
+    d = (xs.to(Wd.dtype) @ Wd.T).float()  # draft logits [n, M]
+    metrics[:, 0] = (ids[d.argmax(-1)] == top_p).float()
+    metrics[:, 2] = kept.float()
+    d.sub_(d.logsumexp(-1, keepdim=True))  # log q
+    loss = -(ws * (p_sub.unsqueeze(1) @ d.unsqueeze(2)).view(-1)).sum()
+    d.exp_()  # q
+    metrics[:, 1] = torch.minimum(p, d, out=p).sum(-1)  # Σ min(p_full, q); q = 0 outside
+    del p
+    d.sub_(p_sub)  # q - p_sub = d CE / d draft logits
+    return loss, d.mul_(ws[:, None]).to(Wd.dtype) @ Wd
+
+
+def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=None, ids=None, stats=None):
+    """`stats`: the rows' `target_stats(y, W, temperature)`, when the caller has them (draft vocabulary only)."""
+    return ChunkedDistill.apply(x, y, W, weight, temperature, chunk, Wd, ids, stats)
 
 
 def predicted_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, depth_index: int) -> torch.Tensor:
@@ -99,7 +179,7 @@ def counted_positions(loss_mask: torch.Tensor, lengths: torch.Tensor, depth: int
 
 
 def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
-              W: torch.Tensor, cfg: LossConfig, ce=None, norm: list[int] | None = None
+              W: torch.Tensor, cfg: LossConfig, ce=None, norm: list[int] | None = None, draft=None
               ) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted loss over depths for one batch, and its per-depth metrics.
 
@@ -111,13 +191,41 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
     Metrics: `d{k}/{feat,ce,acc,accept,n}` for depth k = j + 1 (1 = the first drafted token): means over
     this batch's counted positions and their count; and `loss`, the returned loss. `ce` replaces `distill_ce`
     (same signature; the train-step benchmark passes a full-logits implementation to compare against).
+
+    `draft` is the head's `DraftLMHead` (`DraftHead.draft_lm_head(W)`); with a draft vocabulary the CE is
+    against the target renormalised over it, and positions whose target argmax is outside count as zero
+    loss (still in the denominator). The metrics stay comparable with a full-vocabulary head: `acc` is the
+    draft argmax (as a target id) against the target's full-vocabulary argmax, `accept` Σ min(p_full, q) with
+    q zero outside the draft vocabulary, both over all counted positions; `d{k}/in_vocab` is the fraction of
+    counted positions whose target argmax is inside.
     """
     ce_fn = ce or distill_ce
+    sub = draft is not None and draft.ids is not None
+    extra = (draft.weight, draft.ids) if sub else ()
+    sels = [predicted_mask(loss_mask, lengths, j) for j in range(len(outputs))]
+    stats_at = None
+    if sub and ce is None:
+        # each target position's full-vocabulary argmax and logsumexp, once: at depth j anchor i reads h_{i+1+j},
+        # the same h that anchor i+1 reads at depth j-1, so per depth only the draft vocabulary's rows are needed
+        T = loss_mask.shape[1]
+        need = torch.zeros_like(sels[0])
+        for j, sel in enumerate(sels):
+            w = max(0, T - 1 - j)  # anchors whose target position exists
+            need[:, 1 + j:1 + j + w] |= sel[:, :w]
+        rows = need.nonzero(as_tuple=True)
+        top, lse = target_stats(hidden[rows], W, cfg.temperature, cfg.chunk_tokens)
+        slot = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
+        slot[rows] = torch.arange(top.shape[0], device=need.device)
+
+        def stats_at(j: int, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            w = max(0, T - 1 - j)
+            i = slot[:, 1 + j:1 + j + w][sel[:, :w]]
+            return top[i], lse[i]
     # zero that still depends on the head: a batch with nothing to count backpropagates zeros, not an error
     total = sum(o.sum() for o in outputs).float() * 0.0
     metrics: dict[str, float] = {}
     for j, h_hat in enumerate(outputs):
-        sel = predicted_mask(loss_mask, lengths, j)
+        sel = sels[j]
         n = int(sel.sum())
         key = f"d{j + 1}"
         metrics[f"{key}/n"] = n
@@ -131,11 +239,15 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
         target[:, :-shift] = hidden[:, shift:]  # h_{i+1+j}
         x, y = h_hat[sel], target[sel]  # [n, H]
         feat_sum = F.smooth_l1_loss(x.float(), y.float(), reduction="none").mean(-1).sum()
-        ce_sum, per_row = ce_fn(x, y, W, x.new_full((n,), 1.0 / denom), cfg.temperature, cfg.chunk_tokens)
+        more = {"stats": stats_at(j, sel)} if stats_at is not None else {}
+        ce_sum, per_row = ce_fn(x, y, W, x.new_full((n,), 1.0 / denom), cfg.temperature, cfg.chunk_tokens, *extra,
+                                **more)
         total = total + cfg.gamma ** j * (cfg.w_feat * (feat_sum / denom) + cfg.w_logit * ce_sum)
         metrics[f"{key}/feat"] = (feat_sum / n).item()
         metrics[f"{key}/ce"] = ce_sum.item() if denom == n else ce_sum.item() * denom / n
         metrics[f"{key}/acc"] = per_row[:, 0].mean().item()
         metrics[f"{key}/accept"] = per_row[:, 1].mean().item()
+        if sub:
+            metrics[f"{key}/in_vocab"] = per_row[:, 2].mean().item()
     metrics["loss"] = total.item()
     return total, metrics

@@ -9,11 +9,12 @@ meta device) and N the data-parallel world size:
     gradients     fp32: 4P (ZeRO-2/3: 4P/N; the full gradient of one parameter at a time, counted in buffers)
     optimizer     AdamW's two moments 8P (ZeRO: 8P/N, plus DeepSpeed's fp32 master partition 4P/N)
     frozen        the target's embedding E and lm_head W (one matrix when tied): V x H in bf16 under bf16
-                  precision, fp32 otherwise
+                  precision, fp32 otherwise; with a draft vocabulary of D tokens also W's D rows (D x H)
     activations   what the unrolled forward keeps for backward, per token of a full micro-batch and per depth
                   (coefficients below, measured on the real forward with saved-tensor hooks); under bf16
                   autocast also the bf16 copies of the head's weights that autocast keeps for backward (2P)
-    buffers       at once, the largest of: the loss's chunk buffers (chunk_tokens x V logits, fp32), the
+    buffers       at once, the largest of: the loss's chunk buffers (chunk_tokens x V logits, fp32; with a
+                  draft vocabulary of D tokens one [chunk_tokens, V] and three [chunk_tokens, D]), the
                   backward's temporaries of one unrolled step (3 x [tokens, I] gradients, and the recomputed
                   MLP under activation checkpointing); plus DeepSpeed's communication buckets and the largest
                   single gradient before it is reduced
@@ -154,7 +155,8 @@ def estimate_memory(target_config, train, seq_len: int, world: int, strategy: st
     V, H = config.vocab_size, config.hidden_size
     tied = bool(getattr(config, "tie_word_embeddings", False))
     frozen_params = V * H * (1 if tied else 2)
-    frozen = frozen_params * a
+    D = getattr(head_cfg, "draft_vocab", 0) if head_cfg is not None else 0
+    frozen = (frozen_params + D * H) * a  # the draft vocabulary's rows of W, selected once per step
     stage = train.zero_stage if strategy == "deepspeed" else 0
     n = max(1, world)
     largest_param = max(p.numel() for p in head.parameters())
@@ -173,7 +175,9 @@ def estimate_memory(target_config, train, seq_len: int, world: int, strategy: st
     per_token = sum(activation_bytes_per_token(config, j, seq_len, a, train.activation_checkpointing)
                     for j in range(train.depth))
     activations = tokens * per_token + (2 * P if bf16 else 0)
-    loss_chunk = min(train.loss.chunk_tokens, tokens) * V * (8 + (2 if bf16 else 0))
+    b = 2 if bf16 else 0  # the bf16 logits of a matmul before their fp32 copy
+    per_row = V * (8 + b) if not D else V * (4 + b) + D * (12 + b)
+    loss_chunk = min(train.loss.chunk_tokens, tokens) * per_row
     # one unrolled step's backward temporaries: gradients of the MLP's [tokens, I] activations and of the norms'
     # fp32 inputs, and with activation checkpointing the MLP's recomputed activations
     backward = tokens * ((3 + (4 if train.activation_checkpointing else 0)) * config.intermediate_size * a + 16 * H)

@@ -12,6 +12,10 @@ all ranks (all-reduced) divided by global counts, and rank 0 alone logs and writ
 adds its optimizer partition under DeepSpeed). Each micro-batch's loss is normalized by the counted
 positions of the whole optimizer step (`loss.head_loss(norm=...)`), so every counted position weighs the
 same and N processes follow the trajectory of one process with N times the accumulation.
+
+With `head.draft_vocab=N` every rank counts the draft vocabulary from the train store (`vocab.py`) and sets it
+in the head before training (so every checkpoint carries it); rank 0 writes `run_dir/draft_vocab.json` and
+prints its coverage. A resume with another draft vocabulary is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from mtp_train.train import distributed as dist
 from mtp_train.train.data import Collate, length_batches, loader, rank_batches, steps_per_epoch
 from mtp_train.train.log import MetricsLogger
 from mtp_train.train.loss import LossConfig, counted_positions, head_loss
+from mtp_train.train.vocab import DRAFT_VOCAB_JSON, choose_draft_vocab, write_record
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -123,23 +128,29 @@ def build_head(target_path: str, head_cfg, device, seed: int,
 
 
 METRICS = ("feat", "ce", "acc", "accept")  # per depth, averaged over counted positions
+DRAFT_VOCAB_METRICS = METRICS + ("in_vocab",)  # with a draft vocabulary (head.draft_vocab > 0)
 
 
-def _add_weighted(sums: torch.Tensor, m: dict, depth: int) -> None:
-    """sums[k-1] += [n, feat·n, ce·n, acc·n, accept·n] of depth k from one batch's `head_loss` metrics."""
+def metric_names(head: DraftHead) -> tuple[str, ...]:
+    return DRAFT_VOCAB_METRICS if head.cfg.draft_vocab else METRICS
+
+
+def _add_weighted(sums: torch.Tensor, m: dict, depth: int, names: tuple[str, ...] = METRICS) -> None:
+    """sums[k-1] += [n, feat·n, ce·n, acc·n, accept·n(, in_vocab·n)] of depth k from one batch's `head_loss`
+    metrics."""
     for k in range(1, depth + 1):
         n = m[f"d{k}/n"]
         sums[k - 1, 0] += n
-        for i, key in enumerate(METRICS, start=1):
+        for i, key in enumerate(names, start=1):
             sums[k - 1, i] += m.get(f"d{k}/{key}", 0.0) * n
 
 
-def _averages(sums: torch.Tensor, depth: int) -> dict[str, float]:
+def _averages(sums: torch.Tensor, depth: int, names: tuple[str, ...] = METRICS) -> dict[str, float]:
     out: dict[str, float] = {}
     for k in range(1, depth + 1):
         n = int(sums[k - 1, 0])
         if n:
-            out.update({f"d{k}/{key}": float(sums[k - 1, i] / n) for i, key in enumerate(METRICS, start=1)})
+            out.update({f"d{k}/{key}": float(sums[k - 1, i] / n) for i, key in enumerate(names, start=1)})
         out[f"d{k}/n"] = n
     return out
 
@@ -157,33 +168,36 @@ def evaluate(head: DraftHead, frozen: FrozenTarget, batches, depth: int, loss_cf
 
     `steps`: forward passes to make; past the end of this rank's batches `filler` (a batch) is computed and
     not counted (ZeRO-3 gathers parameters in every forward, so every rank must make the same number)."""
-    sums = torch.zeros(depth, 1 + len(METRICS), dtype=torch.float64)
+    names = metric_names(head)
+    sums = torch.zeros(depth, 1 + len(names), dtype=torch.float64)
     was_training = head.training
     head.eval()
     done = 0
     with torch.no_grad():
+        draft = head.draft_lm_head(frozen.lm_head_weight)
         for batch in batches:
-            _evaluate_batch(head, frozen, batch, depth, loss_cfg, device, autocast, sums)
+            _evaluate_batch(head, frozen, draft, batch, depth, loss_cfg, device, autocast, sums, names)
             done += 1
         while steps is not None and done < steps:
-            _evaluate_batch(head, frozen, filler, depth, loss_cfg, device, autocast, None)
+            _evaluate_batch(head, frozen, draft, filler, depth, loss_cfg, device, autocast, None, names)
             done += 1
     head.train(was_training)
-    return _averages(dist.all_reduce_sum(sums.to(device)).cpu(), depth)
+    return _averages(dist.all_reduce_sum(sums.to(device)).cpu(), depth, names)
 
 
-def _evaluate_batch(head, frozen, batch, depth, loss_cfg, device, autocast, sums) -> None:
+def _evaluate_batch(head, frozen, draft, batch, depth, loss_cfg, device, autocast, sums, names) -> None:
     batch = {k: v.to(device) for k, v in batch.items()}
     with autocast():
         outs = unrolled(head, frozen.embed, batch["hidden"], batch["input_ids"], batch["lengths"], depth)
     _, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
-                     frozen.lm_head_weight, loss_cfg)
+                     frozen.lm_head_weight, loss_cfg, draft=draft)
     if sums is not None:
-        _add_weighted(sums, m, depth)
+        _add_weighted(sums, m, depth, names)
 
 
 def format_eval(m: dict, depth: int) -> str:
     return "  ".join(f"d{k} acc {m.get(f'd{k}/acc', 0):.3f} accept {m.get(f'd{k}/accept', 0):.3f}"
+                     + (f" in_vocab {m[f'd{k}/in_vocab']:.3f}" if f"d{k}/in_vocab" in m else "")
                      for k in range(1, depth + 1))
 
 
@@ -219,6 +233,11 @@ class Trainer:
         if self.head.hidden_size != self.train_store.hidden_size:
             raise ValueError(f"store {store / 'train'} holds hidden size {self.train_store.hidden_size}, the target "
                              f"{cfg.target.path} has {self.head.hidden_size}")
+        self.draft_vocab = None  # head.draft_vocab > 0: counted from the train store (every rank alike)
+        if cfg.head.draft_vocab:
+            self.draft_vocab = choose_draft_vocab(self.train_store, cfg.head.draft_vocab, self.target_config.vocab_size)
+            self.head.set_draft_vocab(self.draft_vocab.ids)
+        self.metric_names = metric_names(self.head)
         tc = self.tc
         self.steps_per_epoch = steps_per_epoch(len(self.train_store), tc.micro_batch, world, tc.grad_accum)
         if self.steps_per_epoch == 0:
@@ -253,6 +272,8 @@ class Trainer:
         self.log = MetricsLogger(self.run_dir, enabled=rank == 0, wandb_project=tc.wandb_project,
                                  wandb_name=tc.wandb_name or cfg.run_dir, config=_plain(cfg), resume=resumed,
                                  resume_step=self.step)
+        if self.draft_vocab is not None and rank == 0:
+            write_record(self.run_dir, self.draft_vocab)
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def head_meta(self) -> dict:
@@ -262,7 +283,8 @@ class Trainer:
                 "target_path": str(Path(self.cfg.target.path).resolve()),
                 "target_fingerprint": target_fingerprint(self.cfg.target.path),
                 "target_config": self.target_config.to_dict(), "step": self.step,
-                "depth": self.tc.depth}
+                "depth": self.tc.depth,
+                **({"draft_vocab_coverage": self.draft_vocab.coverage} if self.draft_vocab is not None else {})}
 
     def data_settings(self) -> dict:
         """What the data position means: a resume with other values would read other samples."""
@@ -308,6 +330,7 @@ class Trainer:
             raise ValueError(f"checkpoint {path} was trained for target {meta['target_path']} (variant "
                              f"{meta['variant']}); this run has target {self.cfg.target.path} (variant "
                              f"{self.cfg.head.variant}): use another run_dir")
+        self._check_draft_vocab(path, meta)
         state = ckpt.load_trainer_state(path)
         saved, now = state.get("data", {}), self.data_settings()
         changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
@@ -334,6 +357,21 @@ class Trainer:
         ckpt.set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)
         self.resumed_from, self.resumed_step = path, self.step
         self.say(f"train: resumed from {path} (step {self.step}, epoch {self.epoch}, micro-batch {self.consumed})")
+
+    def _check_draft_vocab(self, path: Path, meta: dict) -> None:
+        """A resume keeps the checkpoint's draft vocabulary: the same size, and the same ids as this run counts."""
+        saved, mine = meta["head"].get("draft_vocab", 0), self.cfg.head.draft_vocab
+        if saved != mine:
+            raise ValueError(f"checkpoint {path} was trained with head.draft_vocab={saved}; this run has "
+                             f"head.draft_vocab={mine}: resume with head.draft_vocab={saved}, or use another run_dir")
+        if mine:
+            from safetensors import safe_open
+
+            with safe_open(str(path / "head.safetensors"), framework="pt") as f:
+                same = torch.equal(f.get_tensor("d2t"), self.head.d2t.cpu())
+            if not same:
+                raise ValueError(f"checkpoint {path} drafts over another vocabulary than the {mine} tokens counted "
+                                 f"now from {self.train_store.dir}: the train store changed since; use another run_dir")
 
     def memory_estimate(self):
         """The per-GPU memory estimate for this run (from the target's config and the longest train sample)."""
@@ -384,8 +422,10 @@ class Trainer:
         local = torch.tensor([counted_positions(b["loss_mask"], b["lengths"], tc.depth) for b in batches],
                              dtype=torch.float64).sum(0)
         norm = [int(n) for n in dist.all_reduce_sum(local.to(self.device)).cpu()]  # the whole step's counts
-        sums = torch.zeros(tc.depth, 1 + len(METRICS), dtype=torch.float64)
+        names = self.metric_names
+        sums = torch.zeros(tc.depth, 1 + len(names), dtype=torch.float64)
         loss_sum, tokens, bad = 0.0, 0, []
+        draft = self.head.draft_lm_head(self.frozen.lm_head_weight)
         for i, batch in enumerate(batches):
             batch = {k: v.to(self.device) for k, v in batch.items()}
             with self.engine.forward_context():
@@ -393,13 +433,13 @@ class Trainer:
                     outs = self.engine.forward(self.frozen.embed, batch["hidden"], batch["input_ids"],
                                                batch["lengths"], tc.depth)
                 loss, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
-                                    self.frozen.lm_head_weight, tc.loss, norm=norm)
+                                    self.frozen.lm_head_weight, tc.loss, norm=norm, draft=draft)
                 if not torch.isfinite(loss):
                     bad.append(where[i])
                 self.engine.backward(loss)  # every rank makes the same calls, whatever its loss
             loss_sum += m["loss"]
             tokens += int(batch["lengths"].sum())
-            _add_weighted(sums, m, tc.depth)
+            _add_weighted(sums, m, tc.depth, names)
         scalars = torch.tensor([loss_sum, tokens, len(bad)], dtype=torch.float64)
         reduced = dist.all_reduce_sum(torch.cat([sums.flatten(), scalars]).to(self.device)).cpu()
         sums, (loss_sum, tokens, n_bad) = reduced[:-3].view_as(sums), reduced[-3:].tolist()
@@ -415,7 +455,7 @@ class Trainer:
             raise TrainingDiverged(f"gradient norm is {grad_norm} at step {self.step + 1}; the last good "
                                    f"checkpoint is {last or 'none'}")
         self.step += 1
-        out = _averages(sums, tc.depth)
+        out = _averages(sums, tc.depth, names)
         out.update({"loss": loss_sum, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
                     "tokens": int(tokens)})
         return out
@@ -433,6 +473,8 @@ class Trainer:
         device_bytes = torch.cuda.get_device_properties(self.device).total_memory \
             if self.device.type == "cuda" else None
         self.say("train: " + self.memory.format(device_bytes, f"{strategy} x {self.world}"))
+        if self.draft_vocab is not None:
+            self.say(f"train: {self.draft_vocab.summary()}; recorded in {self.run_dir / DRAFT_VOCAB_JSON}")
         start = self.validate() if self.step == 0 else None
         micro = self.micro_batches()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",

@@ -1,0 +1,359 @@
+"""The draft vocabulary (`head.draft_vocab=N`): chosen deterministically from the train store's trained tokens,
+kept by the head (`d2t` / `t2d`, EAGLE-3's convention) in every checkpoint, applied where logits are formed:
+the loss equals a direct full-logits computation over the subset (gradients and metrics too), a trained
+head resumes exactly and refuses another size, greedy speculative output is the target's own, sampled output
+follows the target's distribution, and export leaves the mapping out and says so."""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaConfig
+
+from mtp_train.inference import HeadDrafter, SamplingConfig, SpeculativeDecoder, generate
+from mtp_train.model.head import DraftHead, HeadConfig, unrolled
+from mtp_train.store.format import identity_for, write_split
+from mtp_train.store.reader import StoreReader
+from mtp_train.train import checkpoint as ckpt
+from mtp_train.train.loss import LossConfig, distill_ce, head_loss
+from mtp_train.train.trainer import Trainer
+from mtp_train.train.vocab import choose_draft_vocab, most_frequent, trained_token_counts
+from test_inference import (NEW, ROWS, STOP, VOCAB, fresh_prefill, prompts, reference, target,  # noqa: F401 (fixtures)
+                            tiny_lm)
+from test_train import config, losses, samples  # noqa: F401 (fixture)
+from windows import make_store
+
+
+# -- construction ----------------------------------------------------------------------------------------------
+def test_most_frequent_breaks_ties_by_id_and_fills_with_unseen_ids():
+    counts = torch.tensor([5, 0, 3, 5, 1, 3, 0, 2])
+    assert most_frequent(counts, 3).tolist() == [0, 2, 3]  # 5, 5, then 3 (ids 2 and 5): the smaller id
+    assert most_frequent(counts, 5).tolist() == [0, 2, 3, 5, 7]
+    assert most_frequent(counts, 7).tolist() == [0, 1, 2, 3, 4, 5, 7]  # six seen, then the smallest unseen id
+
+
+def test_counted_from_the_trained_positions_of_the_store(tmp_path):
+    """Only tokens whose loss_mask is set count (token 5 is the commonest token but never trained), over every
+    shard of the split; the same store gives the same vocabulary."""
+    rows = [([7, 3, 3, 9, 3, 2], [0, 1, 1, 1, 0, 1]), ([9, 9, 1, 4], [1, 1, 0, 1]), ([5, 5, 5, 5], [0, 0, 0, 0]),
+            ([4, 2, 11], [1, 1, 1])]
+    samples = [{"hidden": torch.randn(len(ids), 4), "input_ids": torch.tensor(ids),
+                "loss_mask": torch.tensor(mask, dtype=torch.int8)} for ids, mask in rows]
+    write_split(tmp_path / "train", samples, identity=identity_for(), shard_mb=1e-4)
+    reader = StoreReader(tmp_path / "train")
+    assert len(reader.manifest["shards"]) > 1
+    want = torch.zeros(16, dtype=torch.long)
+    want[[2, 3, 4, 9, 11]] = torch.tensor([2, 2, 2, 3, 1])
+    assert torch.equal(trained_token_counts(reader, 16), want)
+    vocab = choose_draft_vocab(reader, 3, 16)
+    assert vocab.ids.tolist() == [2, 3, 9] and vocab.coverage == pytest.approx(0.7) and vocab.unseen == 0
+    assert torch.equal(choose_draft_vocab(reader, 3, 16).ids, vocab.ids)
+    filled = choose_draft_vocab(reader, 7, 16)
+    assert filled.ids.tolist() == [0, 1, 2, 3, 4, 9, 11] and filled.unseen == 2 and filled.coverage == 1.0
+    assert "2 of them never occur there" in filled.summary()
+    record = filled.as_dict()
+    assert record["token_ids"] == [0, 1, 2, 3, 4, 9, 11] and record["trained_positions"] == 10
+    with pytest.raises(ValueError, match="token id 11, outside the target's vocabulary of 10"):
+        trained_token_counts(reader, 10)
+
+
+SMALL = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    num_hidden_layers=1, vocab_size=50)
+
+
+def test_head_keeps_the_mapping_in_eagle3_convention():
+    """Draft ids in ascending target-id order: target id = draft id + d2t[draft id] (offsets >= 0), t2d marks
+    the target ids inside; both are persistent buffers (in every checkpoint) and load back."""
+    head = DraftHead(SMALL, HeadConfig(draft_vocab=6))
+    head.set_draft_vocab(torch.tensor([40, 2, 7, 9, 11, 30]))
+    ids = torch.tensor([2, 7, 9, 11, 30, 40])
+    draft = torch.arange(6)
+    assert torch.equal(draft + head.d2t[draft], ids) and bool((head.d2t >= 0).all())
+    assert torch.equal(head.t2d.nonzero().flatten(), ids) and head.t2d.shape == (50,)
+    state = head.state_dict()
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
+    back = DraftHead(SMALL, HeadConfig(draft_vocab=6))
+    back.load_state_dict(state)
+    assert torch.equal(back.draft_ids, ids)
+    W = torch.randn(50, 32)
+    lm = back.draft_lm_head(W)
+    assert torch.equal(lm.weight, W[ids]) and lm.to_target(torch.tensor([0, 5])).tolist() == [2, 40]
+    q = lm.to_target_probs(torch.full((1, 6), 1 / 6), 50)
+    assert q.shape == (1, 50) and torch.equal(q[0].nonzero().flatten(), ids)
+    full = DraftHead(SMALL).draft_lm_head(W)
+    assert full.weight is W and full.ids is None and "d2t" not in DraftHead(SMALL).state_dict()
+    for bad in ([1, 1, 2, 3, 4, 5], [1, 2, 3], [1, 2, 3, 4, 5, 50]):
+        with pytest.raises(ValueError, match="expected 6 distinct target ids"):
+            head.set_draft_vocab(torch.tensor(bad))
+    with pytest.raises(ValueError, match="head.draft_vocab=50 is not below the target's vocabulary size 50"):
+        DraftHead(SMALL, HeadConfig(draft_vocab=50))
+    with pytest.raises(ValueError, match="head.draft_vocab=-1"):
+        HeadConfig(draft_vocab=-1)
+
+
+# -- the loss ----------------------------------------------------------------------------------------------------
+def direct(x, y, W, ids, weight, temperature):
+    """[N, V] at once: the CE against the target renormalised over the subset, rows whose target argmax is
+    outside left out; the metrics with q zero outside the subset."""
+    t = y @ W.T
+    top = t.argmax(-1)
+    inside = torch.isin(top, ids)
+    p_sub = torch.softmax(t[:, ids] / temperature, -1)
+    log_q = torch.log_softmax(x @ W[ids].T, -1)
+    loss = -(weight * inside * (p_sub * log_q).sum(-1)).sum()
+    q = torch.zeros_like(t)
+    q[:, ids] = log_q.exp()
+    accept = torch.minimum(torch.softmax(t / temperature, -1), q).sum(-1)
+    return loss, (ids[log_q.argmax(-1)] == top).float(), accept, inside.float()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_draft_vocab_loss_equals_direct(chunk, temperature):
+    torch.manual_seed(0)
+    N, Hd, V = 53, 16, 97
+    W, y, weight = torch.randn(V, Hd), torch.randn(N, Hd), torch.rand(N)
+    ids = torch.randperm(V)[:40].sort().values
+    x1 = torch.randn(N, Hd, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    loss, metrics = distill_ce(x1, y, W, weight, temperature, chunk, W[ids], ids)
+    ref, acc, accept, inside = direct(x2, y, W, ids, weight, temperature)
+    assert 0 < inside.sum() < N  # rows inside and outside the subset
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    (2.5 * loss).backward()
+    (2.5 * ref).backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-6)
+    assert bool((x1.grad[inside == 0] == 0).all())  # out-of-vocabulary rows: no gradient
+    torch.testing.assert_close(metrics[:, 0], acc)
+    torch.testing.assert_close(metrics[:, 1], accept)
+    torch.testing.assert_close(metrics[:, 2], inside)
+
+
+def test_head_loss_with_a_draft_vocabulary_matches_the_formula():
+    """CE and metrics per counted position, divided by all counted positions (out-of-vocabulary ones count as
+    zero loss and as misses), so they compare with a full-vocabulary head; `in_vocab` besides."""
+    torch.manual_seed(2)
+    B, T, Hd, V = 2, 9, 8, 31
+    hidden, W = torch.randn(B, T, Hd), torch.randn(V, Hd)
+    outs = [torch.randn(B, T, Hd) for _ in range(2)]
+    loss_mask, lengths = (torch.rand(B, T) > 0.3).to(torch.int8), torch.tensor([9, 6])
+    head = DraftHead(LlamaConfig(**{**SMALL.to_dict(), "hidden_size": Hd, "head_dim": 2, "vocab_size": V}),
+                     HeadConfig(draft_vocab=12))
+    head.set_draft_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(3))[:12])
+    ids = head.draft_ids
+    cfg = LossConfig(w_feat=0.3, w_logit=0.9, gamma=0.5, chunk_tokens=4)
+    total, m = head_loss(outs, hidden, loss_mask, lengths, W, cfg, draft=head.draft_lm_head(W))
+    expect = 0.0
+    for j, o in enumerate(outs):
+        rows = [(b, i) for b in range(B) for i in range(T) if i + 2 + j < lengths[b] and loss_mask[b, i + 2 + j]]
+        x = torch.stack([o[b, i] for b, i in rows])
+        y = torch.stack([hidden[b, i + 1 + j] for b, i in rows])
+        feat = torch.stack([torch.nn.functional.smooth_l1_loss(a, t) for a, t in zip(x, y)])
+        ce, acc, accept, inside = direct(x, y, W, ids, torch.ones(len(rows)), 1.0)
+        n = len(rows)
+        assert m[f"d{j + 1}/n"] == n
+        expect += 0.5 ** j * (0.3 * feat.mean() + 0.9 * ce / n)
+        assert m[f"d{j + 1}/ce"] == pytest.approx(ce.item() / n, rel=1e-5)
+        assert m[f"d{j + 1}/acc"] == pytest.approx(acc.mean().item())
+        assert m[f"d{j + 1}/accept"] == pytest.approx(accept.mean().item(), rel=1e-5)
+        assert m[f"d{j + 1}/in_vocab"] == pytest.approx(inside.mean().item())
+    torch.testing.assert_close(total, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_a_full_vocabulary_head_computes_what_it_did():
+    torch.manual_seed(4)
+    hidden, W, outs = torch.randn(2, 7, 32), torch.randn(50, 32), [torch.randn(2, 7, 32)]
+    mask, lengths = torch.ones(2, 7, dtype=torch.bool), torch.tensor([7, 5])
+    a = head_loss(outs, hidden, mask, lengths, W, LossConfig(chunk_tokens=3))
+    b = head_loss(outs, hidden, mask, lengths, W, LossConfig(chunk_tokens=3), draft=DraftHead(SMALL).draft_lm_head(W))
+    assert torch.equal(a[0], b[0]) and a[1] == b[1] and "d1/in_vocab" not in b[1]
+
+
+# -- training ----------------------------------------------------------------------------------------------------
+def expected_vocab(samples, n: int, V: int = 8192) -> list[int]:
+    counts = torch.zeros(V, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(s["input_ids"][s["loss_mask"].bool()], minlength=V)
+    return sorted(sorted(range(V), key=lambda t: (-int(counts[t]), t))[:n]), counts
+
+
+def test_training_with_a_draft_vocabulary(tmp_path, samples, tiny_dir, capsys):  # noqa: F811
+    """The N most frequent trained tokens of store/train, recorded in draft_vocab.json and in the checkpoint
+    (read back as validate, generate and export read it); the head learns, with honest metrics."""
+    from mtp_train.generate import read_head
+
+    make_store(tmp_path, samples, tiny_dir / "target")
+    N = 256
+    cfg = config(tmp_path, f"head.draft_vocab={N}", "train.steps=24", "train.lr=2e-3", "train.depth=2")
+    summary = Trainer(cfg).fit()
+    want, counts = expected_vocab(samples[:48], N)
+    record = json.loads((tmp_path / "draft_vocab.json").read_text())
+    assert record["token_ids"] == want and record["draft_vocab"] == N and record["target_vocab"] == 8192
+    assert record["coverage"] == pytest.approx(counts[want].sum().item() / counts.sum().item())
+    assert 0.5 < record["coverage"] < 1 and f"covering {record['coverage']:.1%}" in capsys.readouterr().out
+    path = ckpt.latest(tmp_path / "checkpoints")
+    state, meta = ckpt.load_head_state(path), ckpt.load_meta(path)
+    assert meta["head"]["draft_vocab"] == N and meta["draft_vocab_coverage"] == record["coverage"]
+    assert (state["d2t"] + torch.arange(N)).tolist() == want and state["t2d"].nonzero().flatten().tolist() == want
+    head, _ = read_head(cfg)
+    assert head.draft_ids.tolist() == want
+    start, final = summary["start"], summary["final"]
+    for k in (1, 2):
+        assert 0 < final[f"d{k}/in_vocab"] < 1 and final[f"d{k}/acc"] <= final[f"d{k}/in_vocab"]
+        assert final[f"d{k}/in_vocab"] == start[f"d{k}/in_vocab"]  # the target's, not the head's
+    assert final["d1/acc"] > start["d1/acc"] + 0.15 and final["d1/accept"] > start["d1/accept"] + 0.15
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/d1/in_vocab" in r for r in rows) and any("val/d2/in_vocab" in r for r in rows)
+
+
+def test_resume_with_a_draft_vocabulary_is_exact_and_refuses_another_size(tmp_path, samples, tiny_dir, monkeypatch):  # noqa: F811
+    args = ("head.draft_vocab=200", "train.steps=4", "train.save_every=2", "train.micro_batch=4", "train.depth=2",
+            "train.lr=1e-3")
+    clean, broken = tmp_path / "clean", tmp_path / "broken"
+    for d in (clean, broken):
+        make_store(d, samples, tiny_dir / "target")
+    Trainer(config(clean, *args)).fit()
+    real_step = Trainer.train_step
+
+    def dies(self, micro):
+        if self.step == 3:  # step 3 is logged after the checkpoint of step 2
+            raise KeyboardInterrupt("killed")
+        return real_step(self, micro)
+
+    monkeypatch.setattr(Trainer, "train_step", dies)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(config(broken, *args)).fit()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    resumed = Trainer(config(broken, *args, "resume=true"))
+    assert resumed.step == 2
+    resumed.fit()
+    a, b = losses(clean), losses(broken)
+    assert [a[s] for s in range(1, 5)] == [b[s] for s in range(1, 5)]
+    wa = ckpt.load_head_state(clean / "checkpoints" / "step-000004")
+    wb = ckpt.load_head_state(broken / "checkpoints" / "step-000004")
+    assert wa.keys() == wb.keys() and "d2t" in wa and all(torch.equal(wa[k], wb[k]) for k in wa)
+    for other in ("head.draft_vocab=100", "head.draft_vocab=0"):
+        with pytest.raises(ValueError, match=r"trained with head.draft_vocab=200; this run has head.draft_vocab="):
+            Trainer(config(broken, *args, other, "resume=true"))
+
+
+# -- inference ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vocab_drafter(trained_run, tiny_run_config, tiny_dir, target):  # noqa: F811
+    """The trained (full-vocabulary) head restricted to the 512 most frequent trained tokens of its store."""
+    from mtp_train.generate import read_head
+
+    trained, _ = read_head(tiny_run_config(trained_run))
+    head = DraftHead(AutoConfig.from_pretrained(tiny_dir / "target"),
+                     HeadConfig(**{**asdict(trained.cfg), "draft_vocab": 512}))
+    missing, unexpected = head.load_state_dict(trained.state_dict(), strict=False)
+    assert sorted(missing) == ["d2t", "t2d"] and not unexpected
+    head.set_draft_vocab(choose_draft_vocab(StoreReader(trained_run / "store" / "train"), 512, 8192).ids)
+    return HeadDrafter(head.eval(), target.model.get_input_embeddings(), target.lm_head)
+
+
+def test_greedy_speculative_output_with_a_draft_vocabulary_is_the_targets(vocab_drafter, target, prompts,  # noqa: F811
+                                                                          reference):  # noqa: F811
+    inside = vocab_drafter.head.t2d
+    assert not all(bool(inside[t]) for r in reference for t in r)  # the target emits tokens the head cannot draft
+    taus = []
+    for k in range(1, 5):
+        batch = generate(target, prompts, drafter=vocab_drafter, k=k, max_new_tokens=NEW, stop_tokens=STOP)
+        assert batch.tokens == reference, f"k={k}, batch 8"
+        taus.append(batch.stats.tau)
+        alone = generate(target, [prompts[k + 3]], drafter=vocab_drafter, k=k, max_new_tokens=NEW, stop_tokens=STOP)
+        assert alone.tokens[0] == reference[k + 3], f"k={k}, prompt {k + 3} alone"
+    assert min(taus) > 1.2 and taus[3] > taus[0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_come_from_the_draft_vocabulary(vocab_drafter, target, prompts, temperature):  # noqa: F811
+    """Greedy: the argmax over the subset, as a target id. Sampled: q is softmax(W[ids] ĥ) scattered into
+    the target's vocabulary (zero elsewhere), the distribution the training forward gives at that anchor."""
+    prompt = prompts[1]
+    dec = SpeculativeDecoder(target, [prompt], drafter=vocab_drafter, k=2, max_new_tokens=8)
+    proposal = vocab_drafter.propose(dec.seqs, dec.features, 2, SamplingConfig(temperature=temperature),
+                                     torch.Generator().manual_seed(0))
+    head, ids = vocab_drafter.head, vocab_drafter.head.draft_ids
+    assert all(bool(head.t2d[t]) for t in proposal.tokens[0].tolist())
+    seq, P = dec.seqs[0], len(prompt)
+    embed = target.model.get_input_embeddings()
+    _, hidden = fresh_prefill(target, seq)  # h_0 .. h_P
+    h = torch.cat([hidden, torch.zeros(1, hidden.shape[-1])])[None]
+    with torch.no_grad():
+        outs = unrolled(head, embed, h, torch.tensor([seq + [int(proposal.tokens[0, 0])]]), torch.tensor([P + 2]), 2)
+    for j in range(2):
+        logits = target.lm_head.weight[ids] @ outs[j][0, P - 1]
+        if temperature == 0:
+            assert int(proposal.tokens[0, j]) == int(ids[logits.argmax()])
+        else:
+            q = proposal.probs[0, j]
+            assert q.shape == (8192,) and float(q.sum()) == pytest.approx(1.0, abs=1e-5)
+            assert float(q[~head.t2d].abs().sum()) == 0.0
+            torch.testing.assert_close(q[ids], torch.softmax(logits, -1), atol=1e-5, rtol=1e-4)
+
+
+def test_sampled_speculative_decoding_with_a_draft_vocabulary_reproduces_the_target():
+    """As tests/test_inference.py's chi-square test, with a random head that drafts over 5 of the 8 tokens:
+    the first three new tokens follow the target's joint distribution, tokens outside the subset included."""
+    from test_inference_sampling import chi_square_p_value
+
+    from mtp_train.inference import CausalLMRunner
+
+    target_lm = CausalLMRunner(tiny_lm(0, 30.0))
+    torch.manual_seed(2)
+    head = DraftHead(target_lm.model.config, HeadConfig(draft_vocab=5))
+    head.set_draft_vocab(torch.tensor([0, 2, 3, 5, 7]))
+    drafter = HeadDrafter(head.eval(), target_lm.model.get_input_embeddings(), target_lm.lm_head)
+    prompt = [3, 1, 4]
+    out = generate(target_lm, [prompt] * ROWS, drafter=drafter, k=3, max_new_tokens=5,
+                   sampling=SamplingConfig(temperature=1.0), generator=torch.Generator().manual_seed(7))
+    firsts = torch.tensor([t[:3] for t in out.tokens])
+    grid = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))
+    model = target_lm.model
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+        p2 = torch.softmax(model(torch.tensor([prompt + [x] for x in range(VOCAB)])).logits[:, -1], -1)
+        p3 = torch.softmax(model(torch.cat([torch.tensor(prompt).expand(len(grid), 3), grid], 1)).logits[:, -1], -1)
+    joint = (p1[:, None] * p2).reshape(-1, 1) * p3
+    cells = (firsts[:, 0] * VOCAB + firsts[:, 1]) * VOCAB + firsts[:, 2]
+    assert chi_square_p_value(torch.bincount(cells, minlength=VOCAB ** 3), joint) > 1e-3
+    outside = torch.isin(firsts, torch.tensor([1, 4, 6]))
+    assert outside.float().mean() > 0.05  # the test sees tokens the head cannot draft
+    accept = out.stats.acceptance_by_position
+    assert out.stats.drafted[0] >= ROWS and 0.05 < accept[0] < 0.95
+
+
+# -- export and memory -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["mtp", "eagle1"])
+def test_export_leaves_the_draft_vocabulary_out_and_says_so(tmp_path, variant):
+    from mtp_train.export import run as export
+    from test_export import keys, saved_run, tiny_llama
+
+    cfg, head, _ = saved_run(tmp_path, tiny_llama(), HeadConfig(variant=variant, draft_vocab=20))
+    assert "d2t" in ckpt.load_head_state(ckpt.latest(Path(cfg.run_dir) / "checkpoints"))
+    written = export(cfg)  # read back and checked against the trained head
+    files = {"hf-mtp": "model.safetensors", "hf-mtp-stitched": "model-mtp.safetensors",
+             "eagle-vllm": "model.safetensors", "eagle-sglang": "model.safetensors"}
+    assert [p.name for p in written] == (["hf-mtp", "hf-mtp-stitched"] if variant == "mtp"
+                                         else ["eagle-vllm", "eagle-sglang"])
+    for out in written:
+        assert not keys(out / files[out.name]) & {"d2t", "t2d"}
+        card = (out / "README.md").read_text()
+        assert "## Draft vocabulary" in card and "draft vocabulary of 20 of the target's 101 tokens" in card
+        assert ("drafts over the full vocabulary" if variant == "mtp" else "uses the target's full lm_head") in card
+
+
+def test_memory_estimate_counts_the_draft_vocabulary():
+    from mtp_train.train.memory import estimate_memory
+    from mtp_train.train.trainer import TrainConfig
+
+    big = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=128256)
+    train = TrainConfig(micro_batch=4)
+    full = estimate_memory(big, train, 512, 1, "single", HeadConfig())
+    small = estimate_memory(big, train, 512, 1, "single", HeadConfig(draft_vocab=32000))
+    assert small.frozen - full.frozen == 32000 * 256 * 4
+    assert small.buffers < full.buffers  # one [chunk, V] logits buffer instead of two, plus [chunk, N] ones
