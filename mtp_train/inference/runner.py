@@ -12,6 +12,7 @@ Attention gets an explicit 4-D mask built from the cache's per-row validity, so 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import replace
 
@@ -37,6 +38,19 @@ def left_pad(rows: list[list[int]], pad: int = 0, device: torch.device | str = "
     return ids.to(device), valid.to(device)
 
 
+def _streamed_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return project(x, module.weight, module.bias)
+
+
+def stream_projections(model: nn.Module) -> None:
+    """Every `nn.Linear` of a decoder on a CPU computes through `project`: a verification forward (k + 1 rows)
+    then reads each weight once instead of packing it first, so verifying k drafts costs little more than a
+    one-token step. Same function, other summation order; prefills (many rows) keep BLAS's GEMM."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.forward = functools.partial(_streamed_linear, module)
+
+
 class CausalLMRunner:
     """Wraps `AutoModelForCausalLM`. `forward(cache, ids, valid)` appends to `cache` and returns
     (logits [B, L, V] fp32 for the last L positions, hidden [B, T, H])."""
@@ -49,6 +63,8 @@ class CausalLMRunner:
         self.model = model
         self.base = model.base_model  # the decoder: embeddings, layers, final norm
         self.lm_head = model.get_output_embeddings()
+        if self.device.type == "cpu":
+            stream_projections(self.base)
         params = inspect.signature(self.base.forward).parameters  # transformers renamed past_key_values -> cache
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 

@@ -59,16 +59,20 @@ def read_tensors(path: str | Path, keys: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
+FEW_ROWS = 16  # up to this many rows `project` streams the weight; past it (a prefill) BLAS's GEMM is right
+
+
 def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`h @ weight.T (+ bias)` for the few rows decoding has ([..., H] -> [..., V]).
 
-    On a CPU it is computed as `(weight @ h.T).T`: with a wide weight (an lm_head: 49,152 x 576 is 113 MB in
-    fp32) and 2 to 16 rows, BLAS's `h @ weight.T` first packs the whole weight (2-3x the time of reading it
-    once, benchmarks/lm_head_rows.py), while `weight @ h.T` streams it once like a
-    matrix-vector product. GPUs get the plain form."""
-    if h.device.type != "cpu":
-        return torch.nn.functional.linear(h, weight, bias)
+    On a CPU, for up to FEW_ROWS rows, it is computed as `(weight @ h.T).T`: with 2 to 16 rows BLAS's
+    `h @ weight.T` first packs the whole weight (2-3.5x the time of reading it once at SmolLM2's lm_head,
+    benchmarks/lm_head_rows.py; the same holds for every projection of a decoder whose weights come from
+    memory, not cache), while `weight @ h.T` streams it once like a matrix-vector product. GPUs and longer
+    inputs get the plain form."""
     flat = h.reshape(-1, h.shape[-1])
+    if h.device.type != "cpu" or flat.shape[0] > FEW_ROWS:
+        return torch.nn.functional.linear(h, weight, bias)
     out = (weight @ flat.T).T.reshape(*h.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
