@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from datetime import date
 from pathlib import Path
 
@@ -21,18 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mtp_train.config import ASSETS_DIR
+from timing import median_seconds
 
 OUT = Path(__file__).resolve().parent / "results" / "cpu_dtype.json"
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(dtype: torch.dtype, repeats: int, batch: int, seq: int, new_tokens: int) -> dict:

@@ -15,24 +15,17 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from datetime import date
 from pathlib import Path
 
 import torch
+from timing import median_seconds
 
 OUT = Path(__file__).resolve().parent / "results" / "lm_head_rows.json"
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeats) * 1e3
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from mtp_train.config import compose
+from timing import median_seconds
 from mtp_train.generate import load_draft, load_head, stop_tokens
 from mtp_train.inference import SamplingConfig, load_runner
 from mtp_train.model.target import load_tokenizer
@@ -62,8 +63,6 @@ def step_costs(target, head_drafter, prompt: list[int], repeats: int = 30) -> di
     """Median seconds of one target decoding step (one token on a cache holding `prompt`), of one verification
     forward over 2 and 4 tokens, and of one head draft step (one chain step: the head's layer and its draft
     logits), each on a cache that is rolled back after it."""
-    import time
-
     from mtp_train.inference import Features, SamplingConfig
     from mtp_train.inference.runner import left_pad
 
@@ -73,13 +72,7 @@ def step_costs(target, head_drafter, prompt: list[int], repeats: int = 30) -> di
     n = cache.lengths.clone()
 
     def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(fn, repeats)
 
     def verify(t: int):
         def run():
