@@ -20,7 +20,6 @@ directory and never replaces a good one.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ from typing import Any, Sequence
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from mtp_train.data.sources import sha256_file  # noqa: E402
 from mtp_train.model.cache import MODELS_ENV, models_dir  # noqa: E402
 
 NAME = "smollm2-135m-instruct"
@@ -105,17 +105,9 @@ def default_dest() -> Path:
     return models_dir() / NAME
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def check_file(path: Path, size: int, sha256: str, what: str, fix: str) -> None:
     """Refuse a file whose size or sha256 is not the pinned one (both digests in the message)."""
-    actual_size, actual = path.stat().st_size, sha256_of(path)
+    actual_size, actual = path.stat().st_size, sha256_file(path)
     if actual_size != size or actual != sha256:
         raise FetchError(f"{path}: {what} is not the pinned file: sha256 {actual} ({actual_size:,} bytes), "
                          f"expected sha256 {sha256} ({size:,} bytes). {fix}")
