@@ -149,6 +149,8 @@ def decoding(cfg: "RunConfig", target: CausalLMRunner, drafters: dict[str, Draft
                         "tokens": tokens}
         say(f"validate: target only, T={t:g}: {s.tokens_per_s:.1f} tokens/s")
     for name, drafter in drafters.items():
+        # warm-up: the drafter's first calls allocate its cache and build its kernels
+        decode_all(target, drafter, prompts[:2], v.max_k, SamplingConfig(), 8, stop, v.batch_size, cfg.seed)
         for t in v.temperatures:
             for k in range(1, v.max_k + 1):
                 tokens, s = decode(drafter, k, SamplingConfig(temperature=t))
@@ -195,10 +197,20 @@ def format_table(report: dict) -> str:
                          f"{1.0:>9.2f}x")
         for e in dec:
             acc = " ".join(f"{a:.2f}" for a in e["acceptance_by_position"])
-            same = {True: "yes", False: "NO", None: ""}[e["greedy_identical"]]
+            same = _identical(e)
             lines.append(f"  {e['drafter']:<8}{e['temperature']:>4g}{e['k']:>3}{e['tau']:>7.2f}  {acc:<30}"
                          f"{e['tokens_per_s']:>8.1f}{e['speedup']:>9.2f}x  {same}")
     return "\n".join(lines)
+
+
+def _identical(e: dict) -> str:
+    """The greedy-identity cell: 'yes' when every prompt matches the target alone, else how many did."""
+    if e["greedy_identical"] is None:
+        return ""
+    if e["greedy_identical"]:
+        return "yes"
+    n = e.get("greedy_identical_prompts")
+    return "NO" if n is None else f"NO ({n}/{e['num_prompts']})"
 
 
 def _series(report: dict) -> list[tuple[str, float, list[dict]]]:

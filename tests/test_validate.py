@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mtp_train.cli import main
-from mtp_train.validate import held_out_prompts
+from mtp_train.validate import format_table, held_out_prompts
 
 ENTRY_KEYS = {"drafter", "k", "temperature", "tau", "acceptance_by_position", "tokens_per_s",
               "target_only_tokens_per_s", "greedy_identical", "num_prompts", "new_tokens"}
@@ -61,6 +61,15 @@ def test_plots_and_table(validated_run):
     assert "teacher-forced on the val store" in printed and "greedy = target" in printed
     rows = [line.split() for line in printed.splitlines() if line.startswith(("  head ", "  draft ", "  none "))]
     assert len(rows) == 8 + 2 and all(r[-1] == "yes" for r in rows if r[0] != "none" and r[1] == "0")
+
+
+def test_table_counts_the_prompts_that_matched(report):
+    """A greedy row that differs from the target alone on some prompts (bf16 near-ties on a GPU) says how many
+    matched; sampled rows say nothing."""
+    greedy = next(e for e in report["decoding"] if e["temperature"] == 0)
+    changed = dict(report, decoding=[dict(greedy, greedy_identical=False, greedy_identical_prompts=1)])
+    row = next(line for line in format_table(changed).splitlines() if line.startswith(f"  {greedy['drafter']} "))
+    assert row.endswith("NO (1/2)")
 
 
 def test_prompts_are_cut_where_the_assistant_answers(trained_run, tiny_dir):

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from mtp_train.inference.cache import SlotCache, right_align
-from mtp_train.inference.runner import CausalLMRunner, left_pad
+from mtp_train.inference.runner import CausalLMRunner, decode_attention, left_pad
 from mtp_train.inference.sampling import SamplingConfig, probabilities, sample
 
 
@@ -111,8 +111,9 @@ class HeadDrafter(Drafter):
 
     def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """One head forward over pairs (hidden [B, T, H], the next tokens [B, T]) right-aligned with valid."""
-        h = self.head(self.embed(tokens), hidden, self.cache.positions(valid, offset=1),
-                      self.cache.attention_mask(valid, hidden.dtype), self.cache)
+        with decode_attention(self.device):
+            h = self.head(self.embed(tokens), hidden, self.cache.positions(valid, offset=1),
+                          self.cache.attention_mask(valid, hidden.dtype), self.cache)
         self.cache.commit(valid)
         return h  # [B, T, H]
 

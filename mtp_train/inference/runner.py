@@ -8,16 +8,21 @@ last position of a prefill, every position of a verification).
 
 Attention gets an explicit 4-D mask built from the cache's per-row validity, so the model must run with
 `sdpa` or `eager` attention (flash-attention kernels take no such mask; `load_runner` falls back to sdpa).
+On a GPU, decoding attention runs under `decode_attention()`: SDPA without its cuDNN backend, which PyTorch
+prefers for bf16 on Hopper but which builds an execution plan for every new (query, key) length, and decoding
+makes a new one at every step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import replace
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtp_train.inference.cache import SlotCache
 from mtp_train.model.frozen import project
@@ -49,6 +54,15 @@ def stream_projections(model: nn.Module) -> None:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.forward = functools.partial(_streamed_linear, module)
+
+
+DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def decode_attention(device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA backends decoding may use on `device`: on CUDA every one but cuDNN's (see the module
+    docstring; measured on an H200 in bf16, benchmarks/RESULTS.md `gpu`), elsewhere PyTorch's own choice."""
+    return sdpa_kernel(DECODE_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class CausalLMRunner:
@@ -90,8 +104,9 @@ class CausalLMRunner:
         Returns logits [B, L, V] (L = logits_last, or T) in fp32 and hidden [B, T, H]."""
         mask = cache.attention_mask(valid, self.dtype)
         positions = cache.positions(valid)
-        out = self.base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                        **{self._cache_kw: cache})
+        with decode_attention(self.device):
+            out = self.base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            **{self._cache_kw: cache})
         cache.commit(valid)
         hidden = out.last_hidden_state  # [B, T, H], after the final norm
         tail = hidden if logits_last is None else hidden[:, -logits_last:]
