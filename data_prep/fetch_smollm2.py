@@ -35,7 +35,7 @@ from typing import Any, Sequence
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mtp_train.data.sources import sha256_file  # noqa: E402
+from mtp_train.files import sha256_file  # noqa: E402
 from mtp_train.model.cache import MODELS_ENV, models_dir  # noqa: E402
 
 NAME = "smollm2-135m-instruct"

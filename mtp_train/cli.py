@@ -6,6 +6,7 @@ stages live in the library; nothing there imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -16,6 +17,8 @@ from pathlib import Path
 
 from mtp_train import __version__
 from mtp_train.config import ConfigError, RunConfig, available_recipes, compose, to_yaml, write_resolved
+from mtp_train.files import run_lock
+from mtp_train.preempt import EXIT_PREEMPTED, Preempted
 
 EXIT_USAGE, EXIT_FAILED, EXIT_NOT_BUILT = 2, 1, 3
 
@@ -177,14 +180,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         entry = resolve_entry(stage)
-        if int(os.environ.get("RANK", "0")) == 0 and STAGES[stage].writes_config:
-            # under torchrun one process writes the config and speaks
-            path = write_resolved(cfg, Path(cfg.run_dir))
-            print(f"mtp-train {stage}: recipe {cfg.recipe}, run_dir {cfg.run_dir} (config: {path})", flush=True)
-        entry(cfg)
+        first = int(os.environ.get("RANK", "0")) == 0
+        # one writer per run_dir: under torchrun the first process holds the lock for all of them
+        with run_lock(cfg.run_dir, stage) if first and STAGES[stage].writes_config else contextlib.nullcontext():
+            if first and STAGES[stage].writes_config:  # under torchrun one process writes the config and speaks
+                path = write_resolved(cfg, Path(cfg.run_dir))
+                print(f"mtp-train {stage}: recipe {cfg.recipe}, run_dir {cfg.run_dir} (config: {path})", flush=True)
+            entry(cfg)
     except StageNotBuilt as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NOT_BUILT
+    except Preempted as e:  # SIGTERM / SIGUSR1: stopped at a safe point, the work so far kept
+        print(str(e), file=sys.stderr)
+        return EXIT_PREEMPTED
     except (OSError, ValueError) as e:  # bad inputs: the message names what and where
         if os.environ.get("MTP_TRAIN_DEBUG"):
             traceback.print_exc()

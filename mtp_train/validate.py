@@ -275,7 +275,7 @@ def run(cfg: "RunConfig") -> dict:
     from mtp_train.generate import check_drafter, load_draft, load_head_module, stop_tokens
     from mtp_train.model.frozen import FrozenTarget
     from mtp_train.model.target import load_tokenizer, resolve_device
-    from mtp_train.store.format import sha256_file
+    from mtp_train.files import sha256_file
 
     v = cfg.validate
     t0 = time.perf_counter()

@@ -167,3 +167,32 @@ def test_info_rejects_a_draft_with_another_tokenizer(tmp_path, capsys, tiny_dir)
     tok.save_pretrained(draft)
     assert main(["info", f"run_dir={tmp_path / 'run'}", f"target.draft_path={draft}", "info.generate=false"]) == 1
     assert f"draft tokenizer at {draft} differs from the target's" in capsys.readouterr().err
+
+
+def test_one_writer_per_run_dir(tmp_path, capsys):
+    """A stage started while another process writes the same run_dir is refused naming the holder; once that
+    holder is killed (SIGKILL: no clean-up), its left-over lock is recognised and taken over."""
+    import os
+    import signal
+    import socket
+
+    from mtp_train.cli import EXIT_FAILED
+
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom mtp_train.files import run_lock\n"
+         f"with run_lock({str(run_dir)!r}, 'train'):\n    print('locked', flush=True)\n    time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(["export", f"run_dir={run_dir}"]) == EXIT_FAILED
+        err = capsys.readouterr().err
+        assert f"{run_dir} is in use by `mtp-train train` (pid {holder.pid} on host {socket.gethostname()}, since" in err
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    assert main(["export", f"run_dir={run_dir}"]) == EXIT_FAILED  # no checkpoint to export: the lock is not the error
+    out, err = capsys.readouterr()
+    assert f"was left by `mtp-train train` (pid {holder.pid}" in out and "taking it over" in out
+    assert "in use" not in err and "checkpoint" in err
+    assert (run_dir / ".lock").read_text() == ""  # released on the way out

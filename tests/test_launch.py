@@ -33,7 +33,7 @@ def stand_ins(tmp_path):
     scripts = {
         "echo-args": 'printf "%s\\n" "$@"',
         "nvidia-smi": 'for i in 0 1 2 3; do echo "GPU $i: NVIDIA H100"; done',
-        "scontrol": 'printf "node-a\\nnode-b\\n"',
+        "scontrol": 'if [[ "$1" == requeue ]]; then echo "scontrol $*"; else printf "node-a\\nnode-b\\n"; fi',
         "srun": 'while [[ "$1" == --* ]]; do shift; done; exec "$@"',
     }
     for name, body in scripts.items():
@@ -69,6 +69,37 @@ def test_slurm_rendezvous_on_the_first_node(stand_ins):
     lines = run("slurm_multinode.sbatch", stand_ins, **slurm)
     assert lines[0] == "mtp-train train: 2 node(s) x 8 process(es), rendezvous node-a:29500"
     assert lines[1:] == ["-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=8", "--rdzv_id=77",
-                         "--rdzv_backend=c10d", "--rdzv_endpoint=node-a:29500", "-m", "mtp_train", "train", *ARGS]
+                         "--rdzv_backend=c10d", "--rdzv_endpoint=node-a:29500", "-m", "mtp_train", "train",
+                         "resume=true", *ARGS]  # a requeued job resumes
     lines = run("slurm_multinode.sbatch", stand_ins, STAGE="precompute", GPUS_PER_PROCESS="2", **slurm)
     assert "--nproc_per_node=4" in lines and lines[-4:] == ["store.gpus_per_process=2", *ARGS]
+
+
+def test_slurm_time_limit_notice_stops_the_stage_and_requeues(stand_ins, tmp_path):
+    """Slurm's USR1 reaches the batch script: it creates run_dir/STOP, the stage (a stand-in that waits for it)
+    exits 75 as mtp-train does when it stops with its work kept, and the script requeues the job."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    stage = tmp_path / "bin" / "fake-stage"
+    stage.write_text('#!/usr/bin/env bash\nfor a in "$@"; do [[ "$a" == run_dir=* ]] && d=${a#run_dir=}; done\n'
+                     'touch "$d/started"; while [[ ! -e "$d/STOP" ]]; do sleep 0.05; done; exit 75\n')
+    stage.chmod(0o755)
+    env = {**stand_ins, "PYTHON": "fake-stage", "SLURM_JOB_NODELIST": "node-a", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_JOB_ID": "77"}
+    proc = subprocess.Popen([str(LAUNCH / "slurm_multinode.sbatch"), "recipe=tiny", f"run_dir={run_dir}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not (run_dir / "started").exists():
+        assert proc.poll() is None and time.time() - t0 < 30, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 75, err
+    assert "asking train to stop after its current step or shard" in out
+    assert "requeueing job 77" in out and "scontrol requeue 77" in out
+    no_dir = subprocess.run([str(LAUNCH / "slurm_multinode.sbatch"), "recipe=tiny"], env=env, capture_output=True,
+                            text=True)
+    assert no_dir.returncode == 2 and "pass run_dir=" in no_dir.stderr

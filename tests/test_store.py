@@ -120,6 +120,42 @@ def test_a_killed_run_resumes_to_the_same_bytes_without_rewriting_finished_shard
     assert manifests["train"]["run"]["shards_resumed"] == 2 and not list(split.glob("*.tmp"))
 
 
+def test_sigterm_keeps_finished_shards_and_the_rerun_ends_byte_identical(tmp_path, clean, tiny_dir):
+    """A real SIGTERM to a real `mtp-train precompute`: the shard in flight is finished, every finished one kept
+    (no manifest yet, nothing partial), exit 75; the same command then completes to the uninterrupted bytes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mtp_train.preempt import EXIT_PREEMPTED
+
+    run_dir = tmp_path / "run"
+    _make_data(run_dir, tiny_dir / "target")
+    cmd = [sys.executable, "-m", "mtp_train.cli", "precompute", "recipe=tiny", f"run_dir={run_dir}", *SETTINGS]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), pc.PAUSE_ENV: "0.5"}  # as in-process
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    split = run_dir / "store" / "train"
+    t0 = time.time()
+    while not (split / fmt.PARTIAL / "shard-00000.json").is_file():
+        assert proc.poll() is None and time.time() - t0 < 120, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert "precompute: stopped on request (SIGTERM)" in err and "the same command goes on" in err
+    kept = _shards(split)
+    assert 1 <= len(kept) < len(_digests(clean)["train"]) and not (split / fmt.MANIFEST).exists()
+    assert not list(split.glob("*.tmp"))
+    done = subprocess.run(cmd, env={**env, pc.PAUSE_ENV: ""}, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert {k: v for k, v in _shards(split).items() if k in kept} == kept  # not rewritten
+    assert _digests(run_dir) == _digests(clean)
+
+
 def test_a_rerun_is_a_no_op_and_a_lost_shard_is_redone(copy, capsys):
     before = _shards(copy / "store" / "train")
     pc.run(_cfg(copy))

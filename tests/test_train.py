@@ -113,6 +113,48 @@ def test_resume_is_exact(tmp_path, samples, tiny_dir, monkeypatch, save_every, p
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, samples, tiny_dir, capsys):
+    """The newest checkpoint is damaged (a flipped byte in its optimizer state): the resume names it, starts
+    from the one before, and ends where an uninterrupted run ends, bit for bit. With every checkpoint damaged
+    it stops instead of starting from step 0."""
+    args = ("train.steps=8", "train.save_every=4", "train.keep_checkpoints=2", "train.depth=2", "train.lr=1e-3")
+    clean, damaged = tmp_path / "clean", tmp_path / "damaged"
+    for d in (clean, damaged):
+        make_store(d, samples, tiny_dir / "target")
+    Trainer(config(clean, *args)).fit()
+    Trainer(config(damaged, *args)).fit()  # checkpoints of steps 4 and 8
+    opt = damaged / "checkpoints" / "step-000008" / "optimizer.safetensors"
+    data = bytearray(opt.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    opt.write_bytes(bytes(data))
+    capsys.readouterr()
+    resumed = Trainer(config(damaged, *args, "resume=true"))
+    said = capsys.readouterr().out
+    assert "step-000008: optimizer.safetensors does not match its sha256" in said and "Resuming from step-000004" in said
+    assert resumed.step == 4
+    resumed.fit()
+    wa = ckpt.load_head_state(clean / "checkpoints" / "step-000008")
+    wb = ckpt.load_head_state(damaged / "checkpoints" / "step-000008")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    for step in ckpt.checkpoints(damaged / "checkpoints"):
+        (step / "head.json").unlink()
+    with pytest.raises(ValueError, match="no intact checkpoint .*head.json is missing"):
+        Trainer(config(damaged, *args, "resume=true"))
+
+
+def test_resume_of_another_run_is_refused_naming_both_sides(run_dir):
+    Trainer(config(run_dir, "train.steps=1")).fit()
+    with pytest.raises(ValueError, match="belongs to another run .*head variant: mtp there, eagle1 here"):
+        Trainer(config(run_dir, "train.steps=2", "head.variant=eagle1", "resume=true"))
+    meta_path = ckpt.latest(run_dir / "checkpoints") / "head.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(meta | {"store_plan_hash": "0" * 64, "recipe": "llama3.1-8b"}))
+    ckpt.write_checksums(meta_path.parent)  # as if another run had written it
+    with pytest.raises(ValueError, match="recipe: llama3.1-8b there, tiny here; store: a train store with plan 0{64} "
+                                         "there, .*store/train here"):
+        Trainer(config(run_dir, "train.steps=2", "resume=true"))
+
+
 def test_existing_checkpoints_need_resume(run_dir):
     Trainer(config(run_dir, "train.steps=1")).fit()
     with pytest.raises(ValueError, match="resume=true"):

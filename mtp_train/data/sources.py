@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mtp_train.data import stdlib
 from mtp_train.data.chat import BadRecord, normalize
+from mtp_train.files import sha256_file
 
 FORMATS = ("auto", "sharegpt", "openai", "text", "hf_disk", "stdlib", "stdlib_chat")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
@@ -48,14 +49,6 @@ class Record:
         """Content identity, for deduplication and the train/val hash split."""
         payload = json.dumps(self.messages, ensure_ascii=False) if self.kind == "chat" else self.text
         return hashlib.sha256(f"{self.kind}\0{payload}".encode("utf-8", errors="surrogatepass")).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_exists(src: SourceConfig, index: int) -> None:

@@ -101,7 +101,8 @@ def _jobs(fmt: str, state: dict, target_dir: Path, target_config: dict, dtype: s
     import torch
 
     from mtp_train.export import layouts
-    from mtp_train.export.write import WEIGHTS, save_weights, stitch, write_json
+    from mtp_train.export.write import WEIGHTS, save_weights, stitch
+    from mtp_train.files import write_json
     from mtp_train.model.frozen import read_tensors
 
     def cast(tensors: dict) -> dict:
@@ -145,11 +146,12 @@ def run(cfg: "RunConfig") -> list[Path]:
 
     from mtp_train.export.card import CardInputs, model_card
     from mtp_train.export.write import (CARD, EXPORT_JSON, check_replaceable, check_round_trip, is_up_to_date,
-                                        listing, read_back, replace_text, staged, write_json)
+                                        listing, read_back, staged)
+    from mtp_train.files import write_atomic, write_json
     from mtp_train.generate import read_head
     from mtp_train.model.head import DRAFT_VOCAB_BUFFERS
     from mtp_train.model.target import check_model_dir, target_fingerprint
-    from mtp_train.store.format import sha256_file
+    from mtp_train.files import sha256_file
 
     e, run_dir = cfg.export, Path(cfg.run_dir)
     target_dir = check_model_dir(cfg.target.path)
@@ -197,14 +199,14 @@ def run(cfg: "RunConfig") -> list[Path]:
             if (out / CARD).is_file() and (out / CARD).read_text() == text:
                 print(f"export: {out} is up to date (same checkpoint, target and dtype); nothing to do")
             else:  # same weights, newer figures (validation report, data manifest)
-                replace_text(out / CARD, text)
+                write_atomic(out / CARD, text)
                 print(f"export: {out} holds this head already; its model card is updated")
             continue
         t0 = time.perf_counter()
         with staged(out) as tmp:
             write(tmp)
             check_round_trip(head, read_back(tmp, layout, meta["variant"]), exact, out)
-            replace_text(tmp / CARD, model_card(name, out, listing(tmp), card))
+            write_atomic(tmp / CARD, model_card(name, out, listing(tmp), card))
             write_json(tmp / EXPORT_JSON, {"identity": identity, "layout": name, "format": fmt, "dtype": dtype,
                                            "checkpoint": str(ckpt), "step": meta["step"],
                                            "target_path": str(target_dir.resolve()), "target_fingerprint": fingerprint})

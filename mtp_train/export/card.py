@@ -97,7 +97,7 @@ def report_is_for(report: dict | None, checkpoint: str, step: int) -> bool:
     if not report:
         return False
     if head.get("sha256"):
-        from mtp_train.store.format import sha256_file
+        from mtp_train.files import sha256_file
 
         return head["sha256"] == sha256_file(Path(checkpoint) / "head.safetensors")
     return head.get("step") == step and Path(str(head.get("checkpoint", ""))).name == Path(checkpoint).name

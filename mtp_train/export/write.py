@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from mtp_train.export.layouts import Layout
+from mtp_train.files import replace_dir, write_json
 from mtp_train.model.frozen import read_tensors, weight_map
 from mtp_train.model.head import DraftHead, HeadConfig, additive_mask
-from mtp_train.train.checkpoint import replace_dir
 
 EXPORT_JSON, CARD = "export.json", "README.md"
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -61,18 +61,6 @@ def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
-
-
-def write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
-
-
-def replace_text(path: Path, text: str) -> None:
-    """Write `path` through a temporary file and a rename: never through a link at `path` (a stitched
-    directory's links point into the target, which an export must not change)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def listing(out: Path) -> list[tuple[str, int]]:

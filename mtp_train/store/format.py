@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from mtp_train import __version__
+from mtp_train.files import sha256_file, space_for, write_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -161,14 +162,6 @@ def plan_hash(identity: dict, settings: StoreSettings, ranges: Sequence[tuple[in
 # -------------------------------------------------------------------------------------------- identity
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def target_identity(path: str | Path) -> dict:
     from mtp_train.model.target import target_fingerprint
 
@@ -224,23 +217,9 @@ def identity_mismatches(recorded: dict, current: dict, where: str | Path) -> lis
 # ------------------------------------------------------------------------------------------------- I/O
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to `path.tmp`, flush to disk, rename: a reader sees the old file or the whole new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, obj: dict) -> None:
-    write_atomic(path, (json.dumps(obj, indent=2) + "\n").encode())
-
-
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
     """Write `tensors` as a safetensors file, streamed from the tensors' memory (no second in-memory copy
-    of a 1 GB shard), hashing as it goes; atomically, like `write_atomic`. Returns (bytes, sha256).
+    of a 1 GB shard), hashing as it goes; atomically, like `mtp_train.files.write_atomic`. Returns (bytes, sha256).
     Tensors go in order of decreasing item size, so every one starts aligned to its own item size."""
     names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     st_names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
@@ -373,7 +352,10 @@ class ShardBuffer:
         unfilled = {s: c for s, c in self._filled.items() if c != n}
         if unfilled:
             raise RuntimeError(f"{path}: {unfilled} of {n} token rows filled; refusing to write a partial shard")
-        size, digest = write_safetensors(path, self.tensors, metadata)
+        needed = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        with space_for(path, needed, "shard", "every finished shard is kept (its record names it)",
+                       partial=[path.with_name(path.name + ".tmp")]):
+            size, digest = write_safetensors(path, self.tensors, metadata)
         return ShardInfo(file=path.name, samples=self.tensors["offsets"].numel() - 1, tokens=n,
                          masked_tokens=int(self.tensors["loss_mask"].sum()), bytes=size, sha256=digest)
 

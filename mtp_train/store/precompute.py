@@ -33,17 +33,19 @@ import torch
 from tqdm.auto import tqdm
 
 from mtp_train.model.target import TargetArch, TargetConfig, check_model_dir, resolve_device, torch_dtype
+from mtp_train.files import write_json
+from mtp_train.preempt import STOP_FILE, Preempted, StopRequests
 from mtp_train.store.format import (MANIFEST, PARTIAL, STORE_DTYPES, ShardBuffer, ShardInfo, StoreMismatch,
                                     StoreSettings, build_manifest, clear_split, data_identity, holds_store_files,
                                     identity_mismatches, plan_hash, plan_shards, read_manifest, shard_metadata,
-                                    shard_name, shard_tokens_for, stream_names, target_identity,
-                                    tokenizer_identity, write_json)
+                                    shard_name, shard_tokens_for, stream_names, target_identity, tokenizer_identity)
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
 
 SPLITS = ("train", "val")
 FAIL_AFTER_ENV = "MTP_TRAIN_FAIL_AFTER_SHARDS"  # tests: raise after this many shards, to rehearse a killed run
+PAUSE_ENV = "MTP_TRAIN_PAUSE_AFTER_SHARD"  # tests: seconds to sleep after each shard, to signal a run mid-split
 BARRIER_TIMEOUT = timedelta(hours=2)  # ranks that finish first wait at a barrier for the slowest
 
 
@@ -363,15 +365,21 @@ def prepare_dir(job: SplitJob, state: str) -> None:
                                                **job.settings.as_dict(), "shards": len(job.ranges)})
 
 
-def run_shards(job: SplitJob, hidden_states: HiddenStates, ranks: Ranks, batch_tokens: int) -> dict:
-    """This rank's unfinished shards of `job` (k % world == rank), each computed, written and recorded."""
+def run_shards(job: SplitJob, hidden_states: HiddenStates, ranks: Ranks, batch_tokens: int,
+               stop_file: Path | None = None) -> dict:
+    """This rank's unfinished shards of `job` (k % world == rank), each computed, written and recorded. Between
+    shards a SIGTERM / SIGUSR1 or an existing `stop_file` stops it (Preempted), the finished shards kept."""
     mine = [k for k in range(len(job.ranges)) if k % ranks.world == ranks.rank and job.finished(k) is None]
     fail_after = int(os.environ[FAIL_AFTER_ENV]) if os.environ.get(FAIL_AFTER_ENV) else None
     tokens = sum(job.tokens(k) for k in mine)
     padded = 0
     with tqdm(total=tokens, desc=f"precompute {job.name}", unit="tok", unit_scale=True, dynamic_ncols=True,
-              disable=ranks.rank != 0) as progress:
+              disable=ranks.rank != 0) as progress, StopRequests("precompute", "shard", ranks.rank == 0) as stop:
         for n, k in enumerate(mine, 1):
+            if stop.requested or (stop_file is not None and stop_file.exists()):
+                raise Preempted(f"precompute: stopped on request ({stop.requested or stop_file}) with {n - 1} of this process's "
+                                f"{len(mine)} remaining {job.name} shard(s) written; the same command goes on from "
+                                "the next one (finished shards are kept and verified)")
             a, b = job.ranges[k]
             input_ids, loss_mask, offsets = job.data.rows(a, b)
             buf = ShardBuffer(input_ids, loss_mask, offsets, hidden_size=job.settings.hidden_size,
@@ -379,6 +387,8 @@ def run_shards(job: SplitJob, hidden_states: HiddenStates, ranks: Ranks, batch_t
             padded += fill_shard(hidden_states, buf, input_ids, offsets, batch_tokens, progress)
             info = buf.write(job.shard_path(k), shard_metadata(job.plan, k, a))
             write_json(job.record_path(k), {**asdict(info), "plan_hash": job.plan})
+            if os.environ.get(PAUSE_ENV):
+                time.sleep(float(os.environ[PAUSE_ENV]))
             if fail_after is not None and n >= fail_after:
                 raise RuntimeError(f"{FAIL_AFTER_ENV}={fail_after}: stopping after {n} shard(s) (a test hook that "
                                    "rehearses an interrupted run)")
@@ -454,6 +464,8 @@ def run(cfg: "RunConfig") -> dict[str, dict]:
     say = print if ranks.rank == 0 else (lambda *a, **k: None)
     try:
         jobs = plan_jobs(cfg)
+        if ranks.rank == 0:  # a stop request of an earlier run was honoured then
+            (Path(cfg.run_dir) / STOP_FILE).unlink(missing_ok=True)
         states = [existing_state(job, cfg.store.overwrite) for job in jobs]
         _barrier(ranks)  # every rank has read the directories before rank 0 changes them
         if ranks.rank == 0:
@@ -478,7 +490,8 @@ def run(cfg: "RunConfig") -> dict[str, dict]:
                     "lower store.shard_mb to spread the work")
             for job in todo:
                 t0 = time.perf_counter()
-                stats[job.name] = {**run_shards(job, hidden_states, ranks, cfg.store.batch_tokens),
+                stats[job.name] = {**run_shards(job, hidden_states, ranks, cfg.store.batch_tokens,
+                                                Path(cfg.run_dir) / STOP_FILE),
                                    "seconds": time.perf_counter() - t0}
         _barrier(ranks)  # every shard is on disk
         if ranks.rank == 0:

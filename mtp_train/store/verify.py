@@ -16,7 +16,8 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from mtp_train.store.format import (MANIFEST, PARTIAL, read_header, read_manifest, sha256_file, shard_layout_problems,
+from mtp_train.files import sha256_file
+from mtp_train.store.format import (MANIFEST, PARTIAL, read_header, read_manifest, shard_layout_problems,
                                     shard_plan_hash)
 
 

@@ -3,12 +3,24 @@
     run_dir/checkpoints/step-000500/
         head.safetensors     the head's own weights (never the frozen E / W)
         head.json            how to rebuild it: variant, head config, the target's config.json and identity
-        optimizer.pt         optimizer state (single process and DDP)
-        deepspeed/           instead of optimizer.pt under DeepSpeed: its engine checkpoint, one optimizer
+        optimizer.safetensors + optimizer.json
+                             optimizer state (single process and DDP): its tensors, and the rest as JSON
+        deepspeed/           instead of the optimizer files under DeepSpeed: its engine checkpoint, one optimizer
                              partition per rank (resumable at the same world size and ZeRO stage)
-        trainer_state.pt     step, data position, scheduler, RNG states (python, torch, cuda; every rank's)
+        trainer_state.safetensors + trainer_state.json
+                             step, data position, scheduler, RNG states (python, torch, cuda; every rank's)
         config.yaml          the resolved run config
+        sha256.json          size and sha256 of every file above, written last
     run_dir/checkpoints/latest   the name of the newest complete checkpoint
+
+No pickle: a state is written as its tensors (safetensors) and a JSON skeleton naming them, so reading a
+checkpoint never runs code from whoever wrote it. Checkpoints of earlier versions (`optimizer.pt`,
+`trainer_state.pt`) are read with `torch.load(weights_only=True)`, which accepts tensors and plain values
+only and refuses anything else. DeepSpeed's own files under `deepspeed/` are its format (torch.save); they are
+checked against `sha256.json` before DeepSpeed reads them.
+
+A resume takes the newest checkpoint whose files match `sha256.json` (`newest_intact`): a damaged or
+truncated one is named and skipped for the one before it, and with none intact the resume stops.
 
 `head.safetensors` is always the full head, whatever the strategy (gathered from the ranks under ZeRO-3),
 so export reads any checkpoint. A checkpoint is written under `step-NNNNNN.tmp` (`begin`; under torchrun
@@ -19,14 +31,19 @@ after the rename, so it never names a partial checkpoint. Older checkpoints beyo
 from __future__ import annotations
 
 import json
-import os
+import pickle
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from mtp_train.files import fsync_path, replace_dir, sha256_file, write_atomic
+
 LATEST = "latest"
+CHECKSUMS = "sha256.json"
+STATE_FORMAT = 1
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -45,22 +62,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    _fsync(tmp)
-    os.replace(tmp, path)
-    _fsync(path.parent)
 
 
 def step_of(path: Path) -> int | None:
@@ -94,34 +95,165 @@ def write(tmp: Path, step: int, head_state: dict[str, torch.Tensor], head_meta: 
     save_file({k: v.detach().contiguous().cpu() for k, v in head_state.items()}, str(tmp / "head.safetensors"),
               metadata={"format": "pt", "step": str(step)})
     (tmp / "head.json").write_text(json.dumps(head_meta, indent=2) + "\n")
-    torch.save({**trainer_state, "rng": rng_state() if rng is None else rng}, tmp / "trainer_state.pt")
+    save_state(tmp, "trainer_state", {**trainer_state, "rng": rng_state() if rng is None else rng})
     (tmp / "config.yaml").write_text(config_yaml)
 
 
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Rename the complete directory `tmp` to `final`; an existing `final` is moved aside first and removed
-    only once the new one is in place."""
-    if final.exists():
-        old = final.with_name(f"{final.name}.old")
-        if old.exists():
-            shutil.rmtree(old)
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
+# -- states without pickle ----------------------------------------------------------------------------------
+def _encode(x, tensors: dict[str, torch.Tensor], where: str, seen: set[int]):
+    """`x` as JSON, its tensors moved into `tensors` (named by their order) and referenced as {"$tensor": name}."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach().to("cpu").contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in seen:  # safetensors refuses shared storage
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        name = str(len(tensors))
+        tensors[name] = t
+        return {"$tensor": name}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, (list, tuple)):
+        items = [_encode(v, tensors, f"{where}[{i}]", seen) for i, v in enumerate(x)]
+        return items if isinstance(x, list) else {"$tuple": items}
+    if isinstance(x, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in x):
+            return {k: _encode(v, tensors, f"{where}.{k}", seen) for k, v in x.items()}
+        return {"$items": [[_encode(k, tensors, f"{where} key", seen), _encode(v, tensors, f"{where}[{k!r}]", seen)]
+                           for k, v in x.items()]}
+    raise TypeError(f"{where}: a {type(x).__name__} cannot go into a checkpoint (tensors, numbers, strings, None, "
+                    "lists, tuples and dicts can)")
+
+
+def _decode(x, tensors: dict[str, torch.Tensor]):
+    if isinstance(x, list):
+        return [_decode(v, tensors) for v in x]
+    if isinstance(x, dict):
+        if set(x) == {"$tensor"}:
+            return tensors[x["$tensor"]]
+        if set(x) == {"$tuple"}:
+            return tuple(_decode(v, tensors) for v in x["$tuple"])
+        if set(x) == {"$items"}:
+            return {_decode(k, tensors): _decode(v, tensors) for k, v in x["$items"]}
+        return {k: _decode(v, tensors) for k, v in x.items()}
+    return x
+
+
+def save_state(directory: Path, name: str, state) -> None:
+    """`state` (nested dicts, lists, tuples of tensors and plain values) as `name.safetensors` + `name.json`.
+    Floats go through JSON exactly (shortest round-trip repr; NaN and infinities included)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _encode(state, tensors, name, set())
+    save_file(tensors, str(directory / f"{name}.safetensors"), metadata={"format": "pt"})
+    (directory / f"{name}.json").write_text(json.dumps({"format": STATE_FORMAT, "state": skeleton}) + "\n")
+
+
+def load_state(directory: Path, name: str):
+    """What `save_state` wrote; a checkpoint of an earlier version (`name.pt`) is read with
+    `torch.load(weights_only=True)` and refused, unread, when it holds anything but tensors and plain values."""
+    from safetensors.torch import load_file
+
+    meta = directory / f"{name}.json"
+    if meta.is_file():
+        doc = json.loads(meta.read_text())
+        if doc.get("format") != STATE_FORMAT:
+            raise ValueError(f"{meta}: state format {doc.get('format')!r}, this version reads {STATE_FORMAT}")
+        return _decode(doc["state"], load_file(str(directory / f"{name}.safetensors")))
+    legacy = directory / f"{name}.pt"
+    if legacy.is_file():
+        try:
+            return torch.load(legacy, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{legacy} (a checkpoint file of an earlier version, a pickle) holds more than tensors "
+                             "and plain values, so it is not loaded: unpickling it would run code from whoever wrote "
+                             f"it. Resume from another checkpoint or start a new run_dir. ({str(e).splitlines()[0]})"
+                             ) from None
+    raise FileNotFoundError(f"{directory} has no {name}.json (nor an earlier version's {name}.pt): the checkpoint is "
+                            "incomplete; resume from another one")
+
+
+def has_state(directory: Path, name: str) -> bool:
+    return (directory / f"{name}.json").is_file() or (directory / f"{name}.pt").is_file()
+
+
+# -- integrity --------------------------------------------------------------------------------------------
+def write_checksums(directory: Path) -> None:
+    """sha256.json: the size and sha256 of every file under `directory` (its subdirectories included)."""
+    files = sorted(f for f in directory.rglob("*") if f.is_file() and f.name != CHECKSUMS)
+    record = {str(f.relative_to(directory)): {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files}
+    (directory / CHECKSUMS).write_text(json.dumps({"files": record}, indent=1) + "\n")
+
+
+def verify(directory: Path, only: tuple[str, ...] | None = None) -> list[str] | None:
+    """What is wrong with a checkpoint's files against its sha256.json (`only`: those files), [] when nothing;
+    None when it has no sha256.json (written by an earlier version: nothing to check against)."""
+    record_path = directory / CHECKSUMS
+    if not record_path.is_file():
+        return None
+    try:
+        record = json.loads(record_path.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return [f"{CHECKSUMS} is unreadable ({e})"]
+    problems = []
+    for rel, want in record.items():
+        if only is not None and rel not in only:
+            continue
+        f = directory / rel
+        if not f.is_file():
+            problems.append(f"{rel} is missing")
+        elif f.stat().st_size != want["bytes"]:
+            problems.append(f"{rel} has {f.stat().st_size:,} bytes, {want['bytes']:,} were written")
+        elif sha256_file(f) != want["sha256"]:
+            problems.append(f"{rel} does not match its sha256")
+    return problems
+
+
+def newest_intact(root: Path, say: Callable[[str], None] = print) -> Path | None:
+    """The checkpoint to resume from: the one `latest` names when its files match their checksums, else the
+    newest older one that does (the damaged ones named in a message). None when there is no checkpoint at
+    all; an error when there are checkpoints and none is intact (never a silent start from step 0)."""
+    pointer = root / LATEST
+    named = root / pointer.read_text().strip() if pointer.is_file() else None
+    found = checkpoints(root)
+    if named is None and not found:
+        return None
+    top = step_of(named) if named is not None and step_of(named) is not None else None
+    candidates = ([named] if named is not None else []) + [p for p in reversed(found)
+                                                           if top is None or step_of(p) < top]
+    bad = []
+    for path in candidates:
+        if not path.is_dir():
+            bad.append(f"{path.name} (named by {pointer.name}) is missing")
+            continue
+        problems = verify(path)
+        missing = [f for f in ("head.safetensors", "head.json") if not (path / f).is_file()]
+        if not has_state(path, "trainer_state"):
+            missing.append("trainer_state.json")
+        problems = (problems or []) + [f"{f} is missing" for f in missing if f"{f} is missing" not in (problems or [])]
+        if not problems:
+            if bad:
+                say(f"train: skipping damaged checkpoints: {'; '.join(bad)}. Resuming from {path.name}, the newest "
+                    "intact one")
+            if verify(path) is None:
+                say(f"train: {path.name} has no {CHECKSUMS} (written by an earlier version): its files are not verified")
+            return path
+        bad.append(f"{path.name}: {', '.join(problems)}")
+    raise ValueError(f"no intact checkpoint in {root}: {'; '.join(bad)}. Restore a checkpoint, or start a new run_dir "
+                     "(resume=false)")
 
 
 def commit(root: Path, step: int, keep: int = 2) -> Path:
     """Make `begin`'s directory the checkpoint of `step`: on disk, renamed, named by `latest`, older ones pruned."""
     name = f"step-{step:06d}"
     final, tmp = root / name, root / f"{name}.tmp"
+    write_checksums(tmp)
     for f in sorted(tmp.rglob("*"), key=lambda p: -len(p.parts)):  # on disk before the rename makes it visible
-        _fsync(f)
-    _fsync(tmp)
+        fsync_path(f)
+    fsync_path(tmp)
     replace_dir(tmp, final)  # the same step saved again: the old copy stays until the new one is in place
-    _fsync(root)
-    _atomic_write(root / LATEST, name + "\n")
+    fsync_path(root)
+    write_atomic(root / LATEST, name + "\n")
     if keep > 0:  # only ever older steps than this one: never the checkpoint `latest` now names
         older = [p for p in checkpoints(root) if step_of(p) < step]
         for p in older[: max(0, len(older) - (keep - 1))]:
@@ -134,7 +266,7 @@ def save(root: Path, step: int, head_state: dict[str, torch.Tensor], head_meta: 
     """A whole checkpoint from one process."""
     tmp = begin(root, step)
     write(tmp, step, head_state, head_meta, trainer_state, config_yaml)
-    torch.save(optimizer_state, tmp / "optimizer.pt")
+    save_state(tmp, "optimizer", optimizer_state)
     return commit(root, step, keep)
 
 
@@ -144,15 +276,19 @@ def latest(root: Path) -> Path | None:
     if not pointer.is_file():
         return None
     path = root / pointer.read_text().strip()
-    if not (path / "head.safetensors").is_file() or not (path / "trainer_state.pt").is_file():
+    if not (path / "head.safetensors").is_file() or not has_state(path, "trainer_state"):
         raise ValueError(f"{pointer} names {path.name}, which is missing or incomplete; write the name of an "
                          f"existing step-* directory of {root} into it, or use another run_dir")
     return path
 
 
 def load_head_state(path: Path) -> dict[str, torch.Tensor]:
+    """The head's weights, checked against the checkpoint's sha256.json first."""
     from safetensors.torch import load_file
 
+    problems = verify(path, only=("head.safetensors",))
+    if problems:
+        raise ValueError(f"checkpoint {path} is damaged: {', '.join(problems)}")
     return load_file(str(path / "head.safetensors"))
 
 
@@ -161,13 +297,11 @@ def load_meta(path: Path) -> dict:
 
 
 def load_states(path: Path) -> tuple[dict | None, dict]:
-    """(optimizer state, trainer state) of a checkpoint; these hold only tensors and plain Python values. The
-    optimizer state is None for a DeepSpeed checkpoint (its partitions are under `deepspeed/`)."""
-    optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False) \
-        if (path / "optimizer.pt").is_file() else None
-    trainer = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    return optimizer, trainer
+    """(optimizer state, trainer state) of a checkpoint. The optimizer state is None for a DeepSpeed checkpoint
+    (its partitions are under `deepspeed/`)."""
+    optimizer = load_state(path, "optimizer") if has_state(path, "optimizer") else None
+    return optimizer, load_trainer_state(path)
 
 
 def load_trainer_state(path: Path) -> dict:
-    return torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    return load_state(path, "trainer_state")

@@ -192,7 +192,7 @@ class EngineSettings:
         """How this engine lays out its optimizer state on disk: a resume needs the same layout."""
         if self.strategy == "deepspeed":
             return {"strategy": "deepspeed", "zero_stage": self.zero_stage, "world": self.world}
-        return {"strategy": "full", "world": self.world}  # single and ddp: one full optimizer.pt
+        return {"strategy": "full", "world": self.world}  # single and ddp: one full optimizer state (optimizer.safetensors + .json)
 
 
 class Engine:
@@ -243,16 +243,17 @@ class Engine:
     def save(self, directory: Path) -> None:
         """The optimizer state into a checkpoint directory that is being written. Every rank must call it."""
         if self.rank == 0:
-            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            from mtp_train.train.checkpoint import save_state
+
+            save_state(directory, "optimizer", self.optimizer.state_dict())
 
     def load(self, directory: Path, head_state: Callable[[], dict[str, torch.Tensor]]) -> None:
         """Weights (`head_state()` reads them) and optimizer state from a checkpoint (the scheduler is the
         trainer's)."""
+        from mtp_train.train.checkpoint import load_state
+
         self.head.load_state_dict(head_state())
-        path = directory / "optimizer.pt"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete, resume from another one")
-        self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        self.optimizer.load_state_dict(load_state(directory, "optimizer"))
 
 
 class DDPEngine(Engine):

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from mtp_train.files import space_for
 from mtp_train.model.frozen import FrozenTarget
+from mtp_train.preempt import STOP_FILE, Preempted, StopRequests
 from mtp_train.model.head import DraftHead, unrolled
 from mtp_train.train import checkpoint as ckpt
 from mtp_train.train import distributed as dist
@@ -263,6 +265,8 @@ class Trainer:
         self.autocast = autocast_for(tc.precision, self.device)
         self.ckpt_root = ckpt.checkpoint_root(self.run_dir)
         self.resumed_from, self.resumed_step = None, None
+        self.stop_requests: StopRequests | None = None  # set while fit runs
+        self.stop_agreed = False
         if cfg.resume:
             self._resume()
         elif ckpt.checkpoints(self.ckpt_root) or (self.ckpt_root / ckpt.LATEST).exists():
@@ -283,7 +287,8 @@ class Trainer:
                 "target_path": str(Path(self.cfg.target.path).resolve()),
                 "target_fingerprint": target_fingerprint(self.cfg.target.path),
                 "target_config": self.target_config.to_dict(), "step": self.step,
-                "depth": self.tc.depth,
+                "depth": self.tc.depth, "recipe": self.cfg.recipe,
+                "store_plan_hash": self.train_store.manifest["plan_hash"],
                 **({"draft_vocab_coverage": self.draft_vocab.coverage} if self.draft_vocab is not None else {})}
 
     def data_settings(self) -> dict:
@@ -299,37 +304,50 @@ class Trainer:
         if self.resumed_from is not None and self.step == self.resumed_step:
             return self.resumed_from if self.rank == 0 else None  # nothing trained since: that checkpoint is this state
         tmp = self.ckpt_root / f"step-{self.step:06d}.tmp"
-        if self.rank == 0:
-            ckpt.begin(self.ckpt_root, self.step)
-        dist.barrier()  # the directory exists before any rank writes into it
-        self.engine.save(tmp)
-        head_state = self.engine.head_state_dict()
-        rngs = dist.gather_objects(ckpt.rng_state())
-        dist.barrier()  # every rank's part is written
-        path = None
-        if self.rank == 0:
-            state = {"step": self.step, "epoch": self.epoch, "consumed": self.consumed,
-                     "scheduler": self.scheduler.state_dict(), "total_steps": self.total_steps,
-                     "data": self.data_settings(), "engine": self.engine_settings.layout()}
-            ckpt.write(tmp, self.step, head_state, self.head_meta(), state, self.config_yaml,
-                       rng=rngs[0] if self.world == 1 else rngs)
-            path = ckpt.commit(self.ckpt_root, self.step, keep=self.tc.keep_checkpoints)
+        needed = 3 * sum(p.numel() * p.element_size() for p in self.head.parameters())  # weights + Adam's two
+        pointer = self.ckpt_root / ckpt.LATEST
+        last = self.ckpt_root / pointer.read_text().strip() if pointer.is_file() else None
+        kept = f"the last complete checkpoint ({last or 'none yet'}) is untouched"
+        with space_for(tmp, needed, "checkpoint", kept, partial=[tmp]):
+            if self.rank == 0:
+                ckpt.begin(self.ckpt_root, self.step)
+            dist.barrier()  # the directory exists before any rank writes into it
+            self.engine.save(tmp)
+            head_state = self.engine.head_state_dict()
+            rngs = dist.gather_objects(ckpt.rng_state())
+            dist.barrier()  # every rank's part is written
+            path = None
+            if self.rank == 0:
+                state = {"step": self.step, "epoch": self.epoch, "consumed": self.consumed,
+                         "scheduler": self.scheduler.state_dict(), "total_steps": self.total_steps,
+                         "data": self.data_settings(), "engine": self.engine_settings.layout()}
+                ckpt.write(tmp, self.step, head_state, self.head_meta(), state, self.config_yaml,
+                           rng=rngs[0] if self.world == 1 else rngs)
+                path = ckpt.commit(self.ckpt_root, self.step, keep=self.tc.keep_checkpoints)
         dist.barrier()  # no rank moves on (or exits) before the checkpoint is complete
         return path
 
     def _resume(self) -> None:
         from mtp_train.model.target import target_fingerprint
 
-        path = ckpt.latest(self.ckpt_root)
+        path = self._intact_checkpoint()
         if path is None:
             self.say(f"train: resume=true but {self.ckpt_root} holds no checkpoint; starting from step 0")
             return
         meta = ckpt.load_meta(path)
-        mine = target_fingerprint(self.cfg.target.path)
-        if meta["target_fingerprint"] != mine or meta["variant"] != self.cfg.head.variant:
-            raise ValueError(f"checkpoint {path} was trained for target {meta['target_path']} (variant "
-                             f"{meta['variant']}); this run has target {self.cfg.target.path} (variant "
-                             f"{self.cfg.head.variant}): use another run_dir")
+        mine = {"target": (target_fingerprint(self.cfg.target.path), self.cfg.target.path),
+                "head variant": (self.cfg.head.variant, self.cfg.head.variant),
+                "recipe": (self.cfg.recipe, self.cfg.recipe),
+                "store": (self.train_store.manifest["plan_hash"], str(self.train_store.dir))}
+        saved = {"target": (meta["target_fingerprint"], meta["target_path"]),
+                 "head variant": (meta["variant"], meta["variant"]),
+                 "recipe": (meta.get("recipe"), meta.get("recipe")),  # absent in checkpoints of earlier versions
+                 "store": (meta.get("store_plan_hash"), f"a train store with plan {meta.get('store_plan_hash')}")}
+        differ = [f"{what}: {saved[what][1]} there, {mine[what][1]} here" for what in mine
+                  if saved[what][0] is not None and saved[what][0] != mine[what][0]]
+        if differ:
+            raise ValueError(f"checkpoint {path} belongs to another run ({'; '.join(differ)}): use another run_dir, "
+                             "or resume with what it was trained with")
         self._check_draft_vocab(path, meta)
         state = ckpt.load_trainer_state(path)
         saved, now = state.get("data", {}), self.data_settings()
@@ -357,6 +375,19 @@ class Trainer:
         ckpt.set_rng_state(rng[self.rank] if isinstance(rng, list) else rng)
         self.resumed_from, self.resumed_step = path, self.step
         self.say(f"train: resumed from {path} (step {self.step}, epoch {self.epoch}, micro-batch {self.consumed})")
+
+    def _intact_checkpoint(self) -> Path | None:
+        """`ckpt.newest_intact`, run on rank 0 (it reads every file) and agreed by every rank."""
+        found, error = None, None
+        if self.rank == 0:
+            try:
+                found = ckpt.newest_intact(self.ckpt_root, self.say)
+            except ValueError as e:
+                error = str(e)
+        found, error = dist.gather_objects((found, error))[0]
+        if error:
+            raise ValueError(error)
+        return found
 
     def _check_draft_vocab(self, path: Path, meta: dict) -> None:
         """A resume keeps the checkpoint's draft vocabulary: the same size, and the same ids as this run counts."""
@@ -440,9 +471,12 @@ class Trainer:
             loss_sum += m["loss"]
             tokens += int(batch["lengths"].sum())
             _add_weighted(sums, m, tc.depth, names)
-        scalars = torch.tensor([loss_sum, tokens, len(bad)], dtype=torch.float64)
+        stop = (self.stop_requests is not None and self.stop_requests.requested is not None) or \
+            (self.rank == 0 and (self.run_dir / STOP_FILE).exists())
+        scalars = torch.tensor([loss_sum, tokens, len(bad), float(stop)], dtype=torch.float64)
         reduced = dist.all_reduce_sum(torch.cat([sums.flatten(), scalars]).to(self.device)).cpu()
-        sums, (loss_sum, tokens, n_bad) = reduced[:-3].view_as(sums), reduced[-3:].tolist()
+        sums, (loss_sum, tokens, n_bad, n_stop) = reduced[:-4].view_as(sums), reduced[-4:].tolist()
+        self.stop_agreed = n_stop > 0  # a stop request on any rank: every rank stops after this same step
         if n_bad:
             at = ", ".join(f"epoch {e} micro-batch {k}" for e, k in bad) if bad else "on another rank"
             raise TrainingDiverged(
@@ -480,7 +514,9 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
                    dynamic_ncols=True)
         t0, tokens, last = time.perf_counter(), 0, {}
+        self.stop_requests = StopRequests("train", "optimizer step", speak=self.rank == 0)
         try:
+            self.stop_requests.__enter__()
             while self.step < self.total_steps:
                 m = self.train_step(micro)
                 tokens += m["tokens"]
@@ -492,6 +528,15 @@ class Trainer:
                                   "tokens_per_s": rate}, self.step)
                 if tc.eval_every and self.step % tc.eval_every == 0 and self.step < self.total_steps:
                     self.validate(full=False)
+                if self.stop_agreed and self.step < self.total_steps:
+                    path = self.save()
+                    why = self.stop_requests.requested or ("run_dir/STOP" if (self.run_dir / STOP_FILE).exists()
+                                                          else "on another rank")
+                    if self.rank == 0:
+                        (self.run_dir / STOP_FILE).unlink(missing_ok=True)  # honoured: the resumed run goes on
+                    raise Preempted(f"train: stopped on request ({why}) after step {self.step} of "
+                                    f"{self.total_steps}; checkpoint {path}. The same command with resume=true goes "
+                                    "on from there")
                 if tc.save_every and self.step % tc.save_every == 0 and self.step < self.total_steps:
                     self.save()
                 last = m
@@ -499,6 +544,7 @@ class Trainer:
             final = self.validate()
             path = self.save()
         finally:
+            self.stop_requests.__exit__(None, None, None)
             bar.close()
             self.log.close()
         summary = {"steps": self.step, "final": final, "start": start, "checkpoint": str(path) if path else None,

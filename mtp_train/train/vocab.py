@@ -92,7 +92,7 @@ def choose_draft_vocab(reader, n: int, vocab_size: int) -> DraftVocab:
 
 def write_record(run_dir: str | Path, vocab: DraftVocab) -> Path:
     """run_dir/draft_vocab.json: N, coverage, what was counted and the ids, for people."""
-    from mtp_train.store.format import write_json
+    from mtp_train.files import write_json
 
     path = Path(run_dir) / DRAFT_VOCAB_JSON
     path.parent.mkdir(parents=True, exist_ok=True)

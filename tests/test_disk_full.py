@@ -1,0 +1,98 @@
+"""A full disk, for real: run_dir on a small tmpfs (mounted by the test; skipped where mounting is not
+allowed). Precompute and train stop with an error naming the file and the bytes it needed, nothing partial
+is left, every finished shard / the last checkpoint verifies, and after the filesystem grows the same command
+goes on to the bytes (store) and weights (train) of an uninterrupted run."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtp_train.files import DiskFull
+from mtp_train.store import format as fmt
+from mtp_train.store import precompute as pc
+from mtp_train.train import checkpoint as ckpt
+from mtp_train.train.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_store import _cfg, _digests, _make_data  # noqa: E402
+from test_train import config, samples  # noqa: E402,F401
+from windows import make_store  # noqa: E402
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """mount(size_bytes) -> a fresh tmpfs of that size; grow(size_bytes) enlarges it in place."""
+    where = tmp_path / "fs"
+    where.mkdir()
+    mounted = []
+
+    def mount(size: int) -> Path:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip() or r.returncode}): needs root")
+        mounted.append(where)
+        return where
+
+    def grow(size: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(where)], check=True)
+
+    yield mount, grow
+    for w in mounted:
+        subprocess.run(["umount", str(w)], check=False)
+
+
+def test_precompute_on_a_full_disk(tmp_path, tiny_dir, small_fs):
+    mount, grow = small_fs
+    clean = tmp_path / "clean"
+    _make_data(clean, tiny_dir / "target")
+    pc.run(_cfg(clean))
+    shard = (clean / "store" / "train" / fmt.shard_name(0)).stat().st_size
+    fs = mount(du(clean / "data") + int(2.5 * shard) + 64 * 1024)  # the data, and about two shards
+    run_dir = fs / "run"
+    shutil.copytree(clean / "data", run_dir / "data")
+    with pytest.raises(DiskFull, match=r"no space left writing shard .*/store/train/shard-\d+\.safetensors: it needs "
+                                       r"about [\d,]+ bytes, [\d,]+ are free there\. Nothing partial was left; every "
+                                       r"finished shard is kept"):
+        pc.run(_cfg(run_dir))
+    split = run_dir / "store" / "train"
+    done = sorted(split.glob("shard-*.safetensors"))
+    assert done and not list(split.rglob("*.tmp")) and not (split / fmt.MANIFEST).exists()
+    for f in done:  # each finished shard is whole: its record's digest
+        rec = json.loads((split / fmt.PARTIAL / f.name.replace(".safetensors", ".json")).read_text())
+        assert fmt.sha256_file(f) == rec["sha256"]
+    grow(64 << 20)
+    pc.run(_cfg(run_dir))
+    assert _digests(run_dir) == _digests(clean)
+
+
+def test_train_checkpoint_on_a_full_disk(tmp_path, samples, tiny_dir, small_fs):  # noqa: F811
+    mount, grow = small_fs
+    args = ("train.steps=6", "train.save_every=2", "train.depth=2", "train.lr=1e-3")
+    clean = tmp_path / "clean"
+    make_store(clean, samples, tiny_dir / "target")
+    Trainer(config(clean, *args)).fit()
+    one = du(clean / "checkpoints" / "step-000006")
+    fs = mount(du(clean / "store") + int(1.5 * one))  # the store and one checkpoint, not two
+    run_dir = fs / "run"
+    make_store(run_dir, samples, tiny_dir / "target")
+    with pytest.raises(DiskFull, match=r"no space left writing checkpoint .*step-000004\.tmp: it needs about [\d,]+ "
+                                       r"bytes.* the last complete checkpoint \(.*step-000002\) is untouched"):
+        Trainer(config(run_dir, *args)).fit()
+    root = run_dir / "checkpoints"
+    assert not list(root.glob("*.tmp")) and ckpt.latest(root).name == "step-000002"
+    assert ckpt.verify(ckpt.latest(root)) == []
+    grow(256 << 20)
+    Trainer(config(run_dir, *args, "resume=true")).fit()
+    a = ckpt.load_head_state(clean / "checkpoints" / "step-000006")
+    b = ckpt.load_head_state(root / "step-000006")
+    assert all(torch.equal(a[k], b[k]) for k in a)
