@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 from dataclasses import replace
 from datetime import date
@@ -31,6 +29,7 @@ from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative import step_costs  # noqa: E402
+from timing import command, machine  # noqa: E402
 
 from mtp_train.config import compose  # noqa: E402
 from mtp_train.generate import load_head_module, stop_tokens  # noqa: E402
@@ -108,12 +107,7 @@ def main() -> None:
             r["target_only_tokens_per_s"] = (baselines[-2] + baselines[-1]) / 2
             r["speedup"] = r["tokens_per_s"] / r["target_only_tokens_per_s"]
     result = {"date": date.today().isoformat(),
-              "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                          "cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
-                          "load_average_1min": os.getloadavg()[0]},
-              "command": "benchmarks/draft_vocab.py " + " ".join(
-                  f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                  for k, v in vars(args).items()),
+              "machine": machine(args.threads), "command": command("draft_vocab.py", args),
               "head": {k: meta[k] for k in ("variant", "step", "depth")} | {
                   "trained_draft_vocab": meta["head"].get("draft_vocab", 0)},
               "prompts": source, "target_only_tokens_per_s_runs": baselines, "rows": rows}

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 from datetime import date
 from pathlib import Path
 
 import torch
-from timing import median_seconds
+from timing import command, machine, median_seconds
 
 OUT = Path(__file__).resolve().parent / "results" / "lm_head_rows.json"
 
@@ -47,11 +45,7 @@ def main() -> None:
         streamed = median_ms(lambda: (W @ h.T).T, args.repeats)
         rows.append({"rows": m, "linear_ms": linear, "weight_major_ms": streamed, "ratio": linear / streamed})
     result = {"date": date.today().isoformat(),
-              "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                          "cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
-                          "load_average_1min": os.getloadavg()[0]},
-              "command": "benchmarks/lm_head_rows.py " + " ".join(
-                  f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
+              "machine": machine(args.threads), "command": command("lm_head_rows.py", args),
               "vocab": args.vocab, "hidden": args.hidden, "rows": rows}
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")

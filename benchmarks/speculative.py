@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 from datetime import date
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 from mtp_train.config import compose
-from timing import median_seconds
+from timing import command, machine, median_seconds
 from mtp_train.generate import load_draft, load_head, stop_tokens
 from mtp_train.inference import SamplingConfig, load_runner
 from mtp_train.model.target import load_tokenizer
@@ -224,12 +223,8 @@ def main() -> None:
                      "greedy_identical": tokens == reference if t == 0 else None})
     result = {
         "date": date.today().isoformat(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
-                    "load_average_1min": load},
-        "command": "benchmarks/speculative.py " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items() if v is not None),
+        "machine": machine(args.threads, load),
+        "command": command("speculative.py", args),
         "run_dir": str(run_dir) if args.run_dir else "(trained by the benchmark)",
         "recipe": args.recipe,
         "head": {k: meta[k] for k in ("variant", "step", "depth") if k in meta} | {
@@ -241,7 +236,7 @@ def main() -> None:
     out_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{len(prompts)} prompts ({source}), up to {args.new_tokens} new tokens, batch 1, "
           f"{args.threads} threads, medians of {args.repeats}")
-    print(f"| drafter | T | k | τ | acceptance by position | tokens/s | speed-up | greedy = target |")
+    print("| drafter | T | k | τ | acceptance by position | tokens/s | speed-up | greedy = target |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         acc = " ".join(f"{a:.2f}" for a in row["acceptance_by_position"]) or "-"

@@ -180,10 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         entry = resolve_entry(stage)
-        first = int(os.environ.get("RANK", "0")) == 0
-        # one writer per run_dir: under torchrun the first process holds the lock for all of them
-        with run_lock(cfg.run_dir, stage) if first and STAGES[stage].writes_config else contextlib.nullcontext():
-            if first and STAGES[stage].writes_config:  # under torchrun one process writes the config and speaks
+        # under torchrun the first process writes the config, speaks, and holds the run_dir's lock (one writer
+        # per run_dir) for all of them
+        writer = int(os.environ.get("RANK", "0")) == 0 and STAGES[stage].writes_config
+        with run_lock(cfg.run_dir, stage) if writer else contextlib.nullcontext():
+            if writer:
                 path = write_resolved(cfg, Path(cfg.run_dir))
                 print(f"mtp-train {stage}: recipe {cfg.recipe}, run_dir {cfg.run_dir} (config: {path})", flush=True)
             entry(cfg)

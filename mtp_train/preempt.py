@@ -27,9 +27,8 @@ STOP_FILE = "STOP"  # `touch run_dir/STOP`: train / precompute stop as on a sign
 
 
 class Preempted(Exception):
-    """A stage stopped early on request, its finished work kept: rerun the same command to go on."""
-
-    exit_code = EXIT_PREEMPTED
+    """A stage stopped early on request, its finished work kept: rerun the same command to go on (the command
+line exits with EXIT_PREEMPTED)."""
 
 
 class StopRequests:

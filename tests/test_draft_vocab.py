@@ -22,7 +22,7 @@ from mtp_train.train.trainer import Trainer
 from mtp_train.train.vocab import choose_draft_vocab, most_frequent, trained_token_counts
 from test_inference import (NEW, ROWS, STOP, VOCAB, fresh_prefill, prompts, reference, target,  # noqa: F401 (fixtures)
                             tiny_lm)
-from test_train import config, losses, samples  # noqa: F401 (fixture)
+from test_train import config, killed_after, losses, samples  # noqa: F401 (fixture)
 from windows import make_store
 
 
@@ -215,17 +215,7 @@ def test_resume_with_a_draft_vocabulary_is_exact_and_refuses_another_size(tmp_pa
     for d in (clean, broken):
         make_store(d, samples, tiny_dir / "target")
     Trainer(config(clean, *args)).fit()
-    real_step = Trainer.train_step
-
-    def dies(self, micro):
-        if self.step == 3:  # step 3 is logged after the checkpoint of step 2
-            raise KeyboardInterrupt("killed")
-        return real_step(self, micro)
-
-    monkeypatch.setattr(Trainer, "train_step", dies)
-    with pytest.raises(KeyboardInterrupt):
-        Trainer(config(broken, *args)).fit()
-    monkeypatch.setattr(Trainer, "train_step", real_step)
+    killed_after(config(broken, *args), 3, monkeypatch)  # step 3 is logged after the checkpoint of step 2
     resumed = Trainer(config(broken, *args, "resume=true"))
     assert resumed.step == 2
     resumed.fit()

@@ -79,6 +79,21 @@ def test_frozen_tensors_untouched_by_steps(run_dir, tiny_dir):
     assert torch.equal(trainer.frozen.embed_tokens.weight, on_disk.embed_tokens.weight)
 
 
+def killed_after(cfg, step: int, monkeypatch) -> None:
+    """Train `cfg` and kill it (KeyboardInterrupt) once `step` optimizer steps are done."""
+    real_step = Trainer.train_step
+
+    def dies(self, micro):
+        if self.step == step:
+            raise KeyboardInterrupt("killed")
+        return real_step(self, micro)
+
+    monkeypatch.setattr(Trainer, "train_step", dies)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg).fit()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+
+
 @pytest.mark.parametrize("save_every,position", [(4, (4, 0, 8)), (5, (5, 0, 10))])
 def test_resume_is_exact(tmp_path, samples, tiny_dir, monkeypatch, save_every, position):
     """Killed before step 7 (steps after the checkpoint already logged), resumed from the checkpoint
@@ -90,18 +105,7 @@ def test_resume_is_exact(tmp_path, samples, tiny_dir, monkeypatch, save_every, p
     for d in (clean, broken):
         make_store(d, samples, tiny_dir / "target", n_train=40)  # 10 micro-batches: epochs roll over
     Trainer(config(clean, *args)).fit()
-
-    real_step = Trainer.train_step
-
-    def dies_after_5(self, micro):  # steps 5 and 6 run and are logged after the checkpoint of step 4
-        if self.step == 6:
-            raise KeyboardInterrupt("killed")
-        return real_step(self, micro)
-
-    monkeypatch.setattr(Trainer, "train_step", dies_after_5)
-    with pytest.raises(KeyboardInterrupt):
-        Trainer(config(broken, *args)).fit()
-    monkeypatch.setattr(Trainer, "train_step", real_step)
+    killed_after(config(broken, *args), 6, monkeypatch)  # steps 5 and 6 run and are logged after the checkpoint
     assert (broken / "checkpoints" / "latest").read_text().strip() == f"step-{save_every:06d}"
     resumed = Trainer(config(broken, *args, "resume=true"))
     assert (resumed.step, resumed.epoch, resumed.consumed) == position  # an epoch is 5 steps here

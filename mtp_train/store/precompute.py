@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mtp_train.model.target import TargetArch, TargetConfig, check_model_dir, resolve_device, torch_dtype
 from mtp_train.files import write_json
+from mtp_train.model.target import TargetArch, TargetConfig, check_model_dir, resolve_device, torch_dtype
 from mtp_train.preempt import STOP_FILE, Preempted, StopRequests
 from mtp_train.store.format import (MANIFEST, PARTIAL, STORE_DTYPES, ShardBuffer, ShardInfo, StoreMismatch,
                                     StoreSettings, build_manifest, clear_split, data_identity, holds_store_files,
@@ -377,9 +377,9 @@ def run_shards(job: SplitJob, hidden_states: HiddenStates, ranks: Ranks, batch_t
               disable=ranks.rank != 0) as progress, StopRequests("precompute", "shard", ranks.rank == 0) as stop:
         for n, k in enumerate(mine, 1):
             if stop.requested or (stop_file is not None and stop_file.exists()):
-                raise Preempted(f"precompute: stopped on request ({stop.requested or stop_file}) with {n - 1} of this process's "
-                                f"{len(mine)} remaining {job.name} shard(s) written; the same command goes on from "
-                                "the next one (finished shards are kept and verified)")
+                raise Preempted(f"precompute: stopped on request ({stop.requested or stop_file}) with {n - 1} of "
+                                f"this process's {len(mine)} remaining {job.name} shard(s) written; the same command "
+                                "goes on from the next one (finished shards are kept and verified)")
             a, b = job.ranges[k]
             input_ids, loss_mask, offsets = job.data.rows(a, b)
             buf = ShardBuffer(input_ids, loss_mask, offsets, hidden_size=job.settings.hidden_size,

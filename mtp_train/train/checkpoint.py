@@ -226,17 +226,18 @@ def newest_intact(root: Path, say: Callable[[str], None] = print) -> Path | None
         if not path.is_dir():
             bad.append(f"{path.name} (named by {pointer.name}) is missing")
             continue
-        problems = verify(path)
-        missing = [f for f in ("head.safetensors", "head.json") if not (path / f).is_file()]
-        if not has_state(path, "trainer_state"):
-            missing.append("trainer_state.json")
-        problems = (problems or []) + [f"{f} is missing" for f in missing if f"{f} is missing" not in (problems or [])]
+        checked = verify(path)  # None: no sha256.json to check against
+        present = {f: (path / f).is_file() for f in ("head.safetensors", "head.json")}
+        present["trainer_state.json"] = has_state(path, "trainer_state")
+        problems = list(checked or [])
+        problems += [f"{f} is missing" for f, here in present.items() if not here and f"{f} is missing" not in problems]
         if not problems:
             if bad:
                 say(f"train: skipping damaged checkpoints: {'; '.join(bad)}. Resuming from {path.name}, the newest "
                     "intact one")
-            if verify(path) is None:
-                say(f"train: {path.name} has no {CHECKSUMS} (written by an earlier version): its files are not verified")
+            if checked is None:
+                say(f"train: {path.name} has no {CHECKSUMS} (written by an earlier version): its files are not "
+                    "verified")
             return path
         bad.append(f"{path.name}: {', '.join(problems)}")
     raise ValueError(f"no intact checkpoint in {root}: {'; '.join(bad)}. Restore a checkpoint, or start a new run_dir "

@@ -192,7 +192,7 @@ class EngineSettings:
         """How this engine lays out its optimizer state on disk: a resume needs the same layout."""
         if self.strategy == "deepspeed":
             return {"strategy": "deepspeed", "zero_stage": self.zero_stage, "world": self.world}
-        return {"strategy": "full", "world": self.world}  # single and ddp: one full optimizer state (optimizer.safetensors + .json)
+        return {"strategy": "full", "world": self.world}  # single and ddp: one full optimizer state
 
 
 class Engine:

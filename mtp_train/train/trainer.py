@@ -266,6 +266,7 @@ class Trainer:
         self.ckpt_root = ckpt.checkpoint_root(self.run_dir)
         self.resumed_from, self.resumed_step = None, None
         self.stop_requests: StopRequests | None = None  # set while fit runs
+        self.stop_reason: str | None = None  # this rank's stop request (a signal, run_dir/STOP), read each step
         self.stop_agreed = False
         if cfg.resume:
             self._resume()
@@ -471,9 +472,9 @@ class Trainer:
             loss_sum += m["loss"]
             tokens += int(batch["lengths"].sum())
             _add_weighted(sums, m, tc.depth, names)
-        stop = (self.stop_requests is not None and self.stop_requests.requested is not None) or \
-            (self.rank == 0 and (self.run_dir / STOP_FILE).exists())
-        scalars = torch.tensor([loss_sum, tokens, len(bad), float(stop)], dtype=torch.float64)
+        self.stop_reason = (self.stop_requests.requested if self.stop_requests is not None else None) or \
+            (f"run_dir/{STOP_FILE}" if self.rank == 0 and (self.run_dir / STOP_FILE).exists() else None)
+        scalars = torch.tensor([loss_sum, tokens, len(bad), float(self.stop_reason is not None)], dtype=torch.float64)
         reduced = dist.all_reduce_sum(torch.cat([sums.flatten(), scalars]).to(self.device)).cpu()
         sums, (loss_sum, tokens, n_bad, n_stop) = reduced[:-4].view_as(sums), reduced[-4:].tolist()
         self.stop_agreed = n_stop > 0  # a stop request on any rank: every rank stops after this same step
@@ -513,44 +514,46 @@ class Trainer:
         micro = self.micro_batches()
         bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="train",
                    dynamic_ncols=True)
-        t0, tokens, last = time.perf_counter(), 0, {}
-        self.stop_requests = StopRequests("train", "optimizer step", speak=self.rank == 0)
-        try:
-            self.stop_requests.__enter__()
-            while self.step < self.total_steps:
-                m = self.train_step(micro)
-                tokens += m["tokens"]
-                rate = tokens / max(1e-9, time.perf_counter() - t0)
-                bar.update(1)
-                bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m.get('d1/acc', 0):.3f}", tok_s=f"{rate:,.0f}")
-                if self.step % tc.log_every == 0 or self.step == self.total_steps:
-                    self.log.log({**{f"train/{k}": v for k, v in m.items()}, "epoch": self.epoch,
-                                  "tokens_per_s": rate}, self.step)
-                if tc.eval_every and self.step % tc.eval_every == 0 and self.step < self.total_steps:
-                    self.validate(full=False)
-                if self.stop_agreed and self.step < self.total_steps:
-                    path = self.save()
-                    why = self.stop_requests.requested or ("run_dir/STOP" if (self.run_dir / STOP_FILE).exists()
-                                                          else "on another rank")
-                    if self.rank == 0:
-                        (self.run_dir / STOP_FILE).unlink(missing_ok=True)  # honoured: the resumed run goes on
-                    raise Preempted(f"train: stopped on request ({why}) after step {self.step} of "
-                                    f"{self.total_steps}; checkpoint {path}. The same command with resume=true goes "
-                                    "on from there")
-                if tc.save_every and self.step % tc.save_every == 0 and self.step < self.total_steps:
-                    self.save()
-                last = m
-            bar.close()
-            final = self.validate()
-            path = self.save()
-        finally:
-            self.stop_requests.__exit__(None, None, None)
-            bar.close()
-            self.log.close()
+        t0 = time.perf_counter()
+        with StopRequests("train", "optimizer step", speak=self.rank == 0) as self.stop_requests:
+            try:
+                final, path, last = self._loop(micro, bar, t0)
+            finally:
+                bar.close()
+                self.log.close()
         summary = {"steps": self.step, "final": final, "start": start, "checkpoint": str(path) if path else None,
                    "last_train": last}
         self.say(format_summary(summary, tc.depth))
         return summary
+
+    def _loop(self, micro, bar, t0: float) -> tuple[dict, Path | None, dict]:
+        """Optimizer steps to the end, with logging, evaluations, checkpoints and stop requests; then the final
+        evaluation and checkpoint. -> (final metrics, checkpoint path, last step's metrics)."""
+        tc = self.tc
+        tokens, last = 0, {}
+        while self.step < self.total_steps:
+            m = self.train_step(micro)
+            tokens += m["tokens"]
+            rate = tokens / max(1e-9, time.perf_counter() - t0)
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m.get('d1/acc', 0):.3f}", tok_s=f"{rate:,.0f}")
+            if self.step % tc.log_every == 0 or self.step == self.total_steps:
+                self.log.log({**{f"train/{k}": v for k, v in m.items()}, "epoch": self.epoch,
+                              "tokens_per_s": rate}, self.step)
+            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < self.total_steps:
+                self.validate(full=False)
+            if self.stop_agreed and self.step < self.total_steps:
+                path = self.save()
+                if self.rank == 0:
+                    (self.run_dir / STOP_FILE).unlink(missing_ok=True)  # honoured: the resumed run goes on
+                raise Preempted(f"train: stopped on request ({self.stop_reason or 'on another rank'}) after step "
+                                f"{self.step} of {self.total_steps}; checkpoint {path}. The same command with "
+                                "resume=true goes on from there")
+            if tc.save_every and self.step % tc.save_every == 0 and self.step < self.total_steps:
+                self.save()
+            last = m
+        bar.close()
+        return self.validate(), self.save(), last
 
 
 def format_summary(s: dict, depth: int) -> str:
