@@ -32,7 +32,7 @@ from speculative import step_costs  # noqa: E402
 from timing import command, machine  # noqa: E402
 
 from mtp_train.config import compose  # noqa: E402
-from mtp_train.generate import load_head_module, stop_tokens  # noqa: E402
+from mtp_train.inference.load import load_head_module, stop_tokens  # noqa: E402
 from mtp_train.inference import HeadDrafter, SamplingConfig, load_runner  # noqa: E402
 from mtp_train.model.frozen import FrozenTarget  # noqa: E402
 from mtp_train.model.head import DRAFT_VOCAB_BUFFERS, DraftHead  # noqa: E402

@@ -28,7 +28,7 @@ import torch
 
 from mtp_train.config import compose
 from timing import command, machine, median_seconds
-from mtp_train.generate import load_draft, load_head, stop_tokens
+from mtp_train.inference.load import load_draft, load_head, stop_tokens
 from mtp_train.inference import SamplingConfig, load_runner
 from mtp_train.model.target import load_tokenizer
 from mtp_train.validate import decode_all, held_out_prompts

@@ -174,8 +174,21 @@ def space_for(path: str | Path, needed: int, what: str, kept: str, partial: list
                 shutil.rmtree(p, ignore_errors=True)
             elif p.exists():
                 p.unlink()
-        free = _free_bytes(path)
-        quota = " (disk quota exceeded)" if code == errno.EDQUOT else ""
-        raise DiskFull(code, f"no space left{quota} writing {what} {path}: it needs about {needed:,} bytes, "
-                                f"{'?' if free is None else f'{free:,}'} are free there. Nothing partial was left; "
-                                f"{kept}. Free space and run the same command again: it goes on from there") from None
+        raise _disk_full(code, path, needed, what, kept) from None
+
+
+def _disk_full(code: int, path: Path, needed: int, what: str, kept: str) -> DiskFull:
+    free = _free_bytes(path)
+    quota = " (disk quota exceeded)" if code == errno.EDQUOT else ""
+    return DiskFull(code, f"no space left{quota} writing {what} {path}: it needs about {needed:,} bytes, "
+                          f"{'?' if free is None else f'{free:,}'} are free there. Nothing partial was left; "
+                          f"{kept}. Free space and run the same command again: it goes on from there")
+
+
+def check_space(path: str | Path, needed: int, what: str, kept: str) -> None:
+    """DiskFull, before anything is written, when the file system holding `path` has less than `needed` bytes
+    free (a quota is not seen here: the write itself reports that)."""
+    path = Path(path)
+    free = _free_bytes(path)
+    if free is not None and free < needed:
+        raise _disk_full(errno.ENOSPC, path, needed, what, kept)

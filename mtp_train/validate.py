@@ -109,7 +109,7 @@ def teacher_forced(cfg: "RunConfig", head: torch.nn.Module, frozen, device: torc
     n, m = len(reader), cfg.validate.val_samples
     chosen = range(n) if not m or m >= n else [i * n // m for i in range(m)]
     batches = length_batches(reader.lengths, cfg.train.micro_batch, chosen)
-    m = evaluate(head, frozen, loader(reader, batches), depth, cfg.train.loss, device,
+    m = evaluate(head, frozen, loader(reader, batches, aux=head.aux_layers), depth, cfg.train.loss, device,
                  autocast_for(cfg.train.precision, device))
     loss = cfg.train.loss
     terms = [{"depth": d, "feat": m.get(f"d{d}/feat"), "ce": m.get(f"d{d}/ce"), "positions": m[f"d{d}/n"]}
@@ -272,7 +272,7 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
 
 
 def run(cfg: "RunConfig") -> dict:
-    from mtp_train.generate import check_drafter, load_draft, load_head_module, stop_tokens
+    from mtp_train.inference.load import check_drafter, load_draft, load_head_module, stop_tokens
     from mtp_train.model.frozen import FrozenTarget
     from mtp_train.model.target import load_tokenizer, resolve_device
     from mtp_train.files import sha256_file

@@ -4,7 +4,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from mtp_train.cli import EXIT_NOT_BUILT, EXIT_USAGE, PIPELINE, STAGES, main
@@ -84,7 +83,7 @@ def test_export_takes_bare_keys(tmp_path, capsys):
     assert e == {"format": "eagle", "checkpoint": f"{tmp_path}/checkpoints/step-000100", "dtype": "bf16",
                  "overwrite": True}
     assert main(["export", f"run_dir={tmp_path}", "format=safetensors"]) == EXIT_USAGE
-    assert "export.format='safetensors': expected one of auto, hf-mtp, eagle, deepseek-nextn" in capsys.readouterr().err
+    assert "export.format='safetensors': expected one of auto, hf-mtp, eagle, eagle3, deepseek-nextn" in capsys.readouterr().err
 
 
 def test_cli_rejects_unknown_key_and_recipe(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """A full disk, for real: run_dir on a small tmpfs (mounted by the test; skipped where mounting is not
-allowed). Precompute and train stop with an error naming the file and the bytes it needed, nothing partial
-is left, every finished shard / the last checkpoint verifies, and after the filesystem grows the same command
-goes on to the bytes (store) and weights (train) of an uninterrupted run."""
+allowed). Prepare, precompute, train and export stop with an error naming the file and the bytes it needed,
+nothing partial is left, every finished shard / the last checkpoint / the exports already written verify, and
+after the filesystem grows the same command goes on to the bytes (data, store, export) and weights (train) of
+an uninterrupted run. (One rank's full disk under torchrun: tests/test_distributed.py.)"""
 
 import json
 import shutil
@@ -100,3 +101,53 @@ def test_train_checkpoint_on_a_full_disk(tmp_path, samples, tiny_dir, small_fs):
     a = ckpt.load_head_state(clean / "checkpoints" / "step-000006")
     b = ckpt.load_head_state(root / "step-000006")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prepare_on_a_full_disk(tmp_path, small_fs):
+    """The prepared data does not fit: a clear error, no `data.tmp` left, an earlier prepared dataset (here: none)
+    untouched; with room, the same command writes what a run on a roomy disk writes."""
+    from mtp_train.data import prepare as prep
+    from mtp_train.config import compose
+
+    mount, grow = small_fs
+    limits = ["data.sources.0.limit=4", "data.sources.1.limit=40", "data.sources.2.limit=2", "data.sources.3.limit=8"]
+    prep.run(compose("tiny", [f"run_dir={tmp_path / 'clean'}", *limits]))
+    data = tmp_path / "clean" / "data"
+    fs = mount(du(data) // 3)
+    run_dir = fs / "run"
+    with pytest.raises(DiskFull, match=r"no space left writing the prepared data .*/run/data\.tmp: it needs about "
+                                       r"[\d,]+ bytes, [\d,]+ are free there\. Nothing partial was left; nothing was "
+                                       r"written to .*/run/data\. Free space"):
+        prep.run(compose("tiny", [f"run_dir={run_dir}", *limits]))
+    assert sorted(p.name for p in run_dir.iterdir()) == []
+    grow(64 << 20)
+    prep.run(compose("tiny", [f"run_dir={run_dir}", *limits]))
+    for f in sorted(data.rglob("*.arrow")):
+        assert fmt.sha256_file(run_dir / "data" / f.relative_to(data)) == fmt.sha256_file(f), f.name
+
+
+def test_export_on_a_full_disk(tmp_path, small_fs):
+    """Room for the first of the two EAGLE exports, not the second: the first is kept whole (it reads back), the
+    second leaves nothing behind; with room the rerun skips the first and writes the second as on a roomy disk."""
+    from mtp_train.export import run as export
+    from mtp_train.model.head import HeadConfig
+    from test_export import saved_run, tiny_llama
+
+    mount, grow = small_fs
+    cfg, _, _ = saved_run(tmp_path / "clean", tiny_llama(), HeadConfig(variant="eagle1"))
+    export(cfg)
+    clean = tmp_path / "clean" / "run" / "export"
+    first = du(clean / "eagle-vllm")
+    fs = mount(du(tmp_path / "clean") - du(clean) + first + first // 2)
+    cfg, _, _ = saved_run(fs, tiny_llama(), HeadConfig(variant="eagle1"))
+    with pytest.raises(DiskFull, match=r"no space left writing export .*/run/export/eagle-sglang: it needs about "
+                                       r"[\d,]+ bytes, [\d,]+ are free there\. Nothing partial was left; eagle-vllm "
+                                       r"is written and intact; nothing was written to .*eagle-sglang\. Free space"):
+        export(cfg)
+    out = fs / "run" / "export"
+    assert sorted(p.name for p in out.iterdir()) == ["eagle-vllm"]
+    grow(64 << 20)
+    export(cfg)
+    for name in ("eagle-vllm", "eagle-sglang"):
+        for f in ("model.safetensors", "config.json"):
+            assert fmt.sha256_file(out / name / f) == fmt.sha256_file(clean / name / f), (name, f)

@@ -14,6 +14,8 @@ A resumed run equals the uninterrupted one exactly.
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +107,11 @@ def two_process_runs(tmp_path_factory, samples, tiny_dir):
              {"name": "zero2-resumed", "args": [*z2, "resume=true"]},
              {"name": "ddp-resume-refused", "args": [f"run_dir={base / 'zero2'}", *COMMON, "train.grad_accum=2",
                                                      "train.strategy=ddp", "resume=true", "train.steps=6"]}]
+    for at, rank in (("space", 1), ("write", 0)):  # one rank's disk full at the step-5 checkpoint, then a rerun
+        ddp = [f"run_dir={make_store(base / f'full-{at}', samples, target)}", *COMMON, "train.grad_accum=2",
+               "train.strategy=ddp"]
+        spec += [{"name": f"full-{at}", "args": ddp, "full_disk": {"rank": rank, "step": 5, "at": at}},
+                 {"name": f"full-{at}-rerun", "args": [*ddp, "resume=true"]}]
     (base / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),  # two processes, one thread each
            "WANDB_MODE": "offline"}
@@ -129,7 +136,7 @@ def test_two_processes_follow_one(two_process_runs, name):
 
 def test_rank_zero_alone_speaks(two_process_runs):
     _, _, out = two_process_runs
-    assert out.stdout.count("train: head mtp") == 6  # the six runs that started training; the refused one did not
+    assert out.stdout.count("train: head mtp") == 10  # the runs that started training; the refused one did not
     assert out.stdout.count("memory per GPU (estimate, deepspeed ZeRO-3 x 2)") == 1
     assert "ddp x 2" in out.stdout
 
@@ -145,6 +152,61 @@ def test_resume_under_another_strategy_is_refused(two_process_runs):
     assert codes["ddp-resume-refused"] == 1
     assert "holds its optimizer state as DeepSpeed ZeRO-2 partitions over 2 process(es)" in out.stderr
     assert "Resume with the checkpoint's train.strategy, train.zero_stage" in out.stderr
+
+
+@pytest.mark.parametrize("at,rank", [("space", 1), ("write", 0)])
+def test_a_full_disk_on_one_rank_stops_every_rank(two_process_runs, at, rank):
+    """One rank runs out of space at the step-5 checkpoint (rank 1 in the space check every rank makes first;
+    rank 0 while writing the checkpoint's files): both ranks stop with that error instead of the other one
+    waiting at the next collective, nothing partial is left, step 3 stays the intact latest checkpoint, and
+    the rerun with resume=true ends exactly where the uninterrupted run does."""
+    base, codes, out = two_process_runs
+    name = f"full-{at}"
+    assert codes[name] == 1 and codes[f"{name}/rank1"] == 1
+    other = 1 - rank
+    where = "its space check" if at == "space" else "writing the checkpoint"
+    assert re.search(rf"error: \[Errno 28\] rank {rank} failed {where}: no space left writing checkpoint "
+                     rf"\S+/{name}/checkpoints/step-000005\.tmp: it needs about [\d,]+ bytes", out.stderr), other
+    assert re.search(rf"error: \[Errno 28\] no space left writing checkpoint \S+/{name}/checkpoints/"
+                     r"step-000005\.tmp: .* the last complete checkpoint \(\S+step-000003\) is untouched", out.stderr)
+    assert codes[f"{name}-rerun"] == 0
+    assert re.search(rf"train: resumed from \S*/{name}/checkpoints/step-000003 \(step 3", out.stdout)
+    root = base / name / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000003", "step-000005"]
+    assert ckpt.newest_intact(root, say=lambda m: None) == root / "step-000005"
+    assert_same_trajectory(base / name, base / "ddp", exact=True)
+
+
+class Planted:
+    """What a planted pickle does: run code while it is read."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_pickle_in_a_deepspeed_partition_is_never_run(two_process_runs, tmp_path):
+    """DeepSpeed unpickles its partitions in full; the allow-list check before it passes DeepSpeed's real files
+    (ZeRO-1/2/3: `test_two_processes_follow_one` resumes none, so here directly) and refuses a partition that
+    names another global, without running it; only the rank that reads a partition checks it."""
+    base, _, _ = two_process_runs
+    for name in ("zero1", "zero2", "zero3"):
+        for rank in (0, 1):
+            dist.check_deepspeed_files(base / name / "checkpoints" / "step-000005" / dist.DEEPSPEED_DIR
+                                       / dist.DEEPSPEED_TAG, rank)
+    step = tmp_path / "step-000005"
+    shutil.copytree(base / "zero2" / "checkpoints" / "step-000005", step)
+    zero = step / dist.DEEPSPEED_DIR / dist.DEEPSPEED_TAG
+    victim = zero / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    marker = tmp_path / "it-ran"
+    torch.save({"optimizer_state_dict": Planted(marker), "ds_version": "0.19.0"}, victim)
+    dist.check_deepspeed_files(zero, 0)  # rank 0 does not read rank 1's partition
+    with pytest.raises(ValueError, match=rf"{victim.name} holds more than tensors, plain values and DeepSpeed's own "
+                                         r"classes, so it is not loaded: unpickling it would run code"):
+        dist.check_deepspeed_files(zero, 1)
+    assert not marker.exists()
 
 
 # ------------------------------------------------------------------------------------------ the pieces

@@ -81,22 +81,23 @@ def test_forward_shapes_and_batching_independence(family, variant):
 
 def stepwise(head, embed, hidden, ids, length, depth):
     """The inference drafter, one anchor at a time: prefill the cache with target features up to the anchor,
-    then feed back ĥ with the next true token, one position per call. Returns {(anchor, j): ĥ}."""
+    then feed back the step's output with the next true token, one position per call. Returns {(anchor, j):
+    what the lm_head reads}."""
     out = {}
     for a in range(length - 1):
         cache = HeadCache()
         n = a + 1  # pairs (h_k, x_{k+1}) for k = 0..a, at positions 1..a+1
         causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
-        h = head(embed(ids[None, 1:n + 1]), hidden[None, :n], torch.arange(1, n + 1)[None],
+        h = head(embed(ids[None, 1:n + 1]), head.fuse(hidden[None, :n]), torch.arange(1, n + 1)[None],
                  additive_mask(causal, hidden.dtype), cache)[:, -1:]
-        out[(a, 0)] = h[0, 0]
+        out[(a, 0)] = head.readout(h)[0, 0]
         for j in range(1, depth):
             if a + 1 + j >= length:
                 break
             everything = torch.ones(1, 1, 1, cache.get_seq_length() + 1, dtype=torch.bool)
             h = head(embed(ids[None, a + 1 + j:a + 2 + j]), h, torch.tensor([[a + 1 + j]]),
                      additive_mask(everything, hidden.dtype), cache)
-            out[(a, j)] = h[0, 0]
+            out[(a, j)] = head.readout(h)[0, 0]
     return out
 
 

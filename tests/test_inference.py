@@ -41,7 +41,7 @@ def random_head(tiny_dir, target):
 
 @pytest.fixture(scope="module")
 def trained_head(trained_run, tiny_run_config, target):
-    from mtp_train.generate import load_head
+    from mtp_train.inference.load import load_head
 
     return load_head(tiny_run_config(trained_run), target)[0]
 

@@ -30,3 +30,12 @@ def make_store(run_dir: Path, samples: list[dict], target: Path, n_train: int = 
     write_split(run_dir / "store" / "train", samples[:n_train], identity=identity)
     write_split(run_dir / "store" / "val", samples[48:], identity=identity)
     return run_dir
+
+
+def layer_inputs(target: Path, ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """The residual stream entering decoder layers `layers` (transformers' hidden_states[i]) for windows
+    ids [n, T] -> [n, len(layers), T, H]: what precompute stores with `store.layers`."""
+    model = load_causal_lm(target, TargetConfig(path=str(target), dtype="float32", device="cpu"))
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    return torch.stack([states[i] for i in layers], dim=1)

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from mtp_train import __version__
 from mtp_train.data.chat import BadRecord, Tokenized, tokenize_conversation, tokenize_text
 from mtp_train.data.sources import Record, SourceConfig, check_exists, file_digests, read_source
+from mtp_train.files import replace_dir, space_for, write_json
 from mtp_train.model.target import load_tokenizer, target_fingerprint
 
 if TYPE_CHECKING:
@@ -195,20 +196,17 @@ def write(out_dir: Path, splits: dict[str, list[Tokenized]], manifest: dict) -> 
     if tmp.exists():
         shutil.rmtree(tmp)  # left by an interrupted run: never a finished dataset
     tmp.mkdir(parents=True)
-    for name, rows in splits.items():
-        ds = datasets.Dataset.from_dict({"input_ids": [r.input_ids for r in rows],
-                                         "loss_mask": [r.loss_mask for r in rows]}, features=features)
-        ds.save_to_disk(str(tmp / name))
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    if out_dir.exists():
-        old = out_dir.with_name(out_dir.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)  # left by a run interrupted between the two renames below
-        out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out_dir)
+    tokens = sum(len(r.input_ids) for rows in splits.values() for r in rows)
+    needed = 5 * tokens + 16 * sum(len(rows) for rows in splits.values())  # int32 ids + int8 mask, row offsets
+    kept = (f"the prepared data already in {out_dir} is untouched" if out_dir.exists()
+            else f"nothing was written to {out_dir}")
+    with space_for(tmp, needed, "the prepared data", kept, partial=[tmp]):
+        for name, rows in splits.items():
+            ds = datasets.Dataset.from_dict({"input_ids": [r.input_ids for r in rows],
+                                             "loss_mask": [r.loss_mask for r in rows]}, features=features)
+            ds.save_to_disk(str(tmp / name))
+        write_json(tmp / "manifest.json", manifest)
+    replace_dir(tmp, out_dir)
 
 
 def split_stats(rows: list[Tokenized]) -> dict:

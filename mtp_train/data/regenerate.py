@@ -45,7 +45,7 @@ def decode_batches(runner, prompts: list[list[int]], *, batch_size: int, max_new
 
 
 def regenerate(cfg: "RunConfig", tokenizer, samples: list[tuple[Record, str]]) -> tuple[list[tuple[Record, str]], dict]:
-    from mtp_train.generate import stop_tokens
+    from mtp_train.inference.load import stop_tokens
     from mtp_train.inference import load_runner
 
     data = cfg.data

@@ -1,6 +1,6 @@
 """`mtp-train export`: the trained head in the layouts serving engines load (DESIGN §7).
 
-    mtp-train export recipe=tiny run_dir=runs/demo [format=auto|hf-mtp|eagle|deepseek-nextn]
+    mtp-train export recipe=tiny run_dir=runs/demo [format=auto|hf-mtp|eagle|eagle3|deepseek-nextn]
                      [checkpoint=DIR] [dtype=auto|bf16|fp16|fp32] [overwrite=true]
 
 | format           | head, target           | writes under run_dir/export/                                    |
@@ -9,14 +9,17 @@
 |                  |                        | (the target, linked, plus the head: transformers `use_mtp=True`) |
 | `eagle`          | `eagle1`, Llama        | `eagle-vllm/` and `eagle-sglang/` (the engines' EAGLE-1 loaders) |
 | `deepseek-nextn` | `mtp`, DeepSeek-V2     | `deepseek-nextn/` (vLLM's DeepSeek MTP loader)                   |
+| `eagle3`         | `eagle3`, any          | `eagle3/` (vLLM's and SGLang's EAGLE-3 loaders) and               |
+|                  |                        | `eagle3-speculators/` (vLLM's speculators format); `eagle3.py`   |
 
 `auto` picks the one that fits the head and the target. Key names and config fields per layout, and the
 loader files they follow, are in `layouts.py`. Every directory is read back into a `DraftHead` and must
 reproduce the trained head's output before it replaces anything, and gets a model card (`card.py`).
 
-A head trained with a draft vocabulary (`head.draft_vocab`) is exported without it: none of these layouts
-has one (their engines draft with the target's full lm_head), so `d2t` / `t2d` are left out and the card
-says so.
+A head trained with a draft vocabulary (`head.draft_vocab`) is exported without it except in the EAGLE-3
+layouts: the others have none (their engines draft with the target's full lm_head), so `d2t` / `t2d` are left
+out and the card says so. The EAGLE-3 directories are read back by loaders that follow each engine
+(`eagle3.read_engine`) and must give the trained head's logits over the target vocabulary exactly.
 """
 
 from __future__ import annotations
@@ -29,18 +32,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtp_train import __version__
+from mtp_train.export.eagle3 import EAGLE3
 from mtp_train.export.layouts import EAGLE, HF_MTP, NEXTN
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
 
-FORMATS = ("auto", HF_MTP, EAGLE, NEXTN)
+FORMATS = ("auto", HF_MTP, EAGLE, EAGLE3, NEXTN)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass
 class ExportConfig:
-    format: str = "auto"  # auto | hf-mtp | eagle | deepseek-nextn (auto: what fits the head and the target)
+    format: str = "auto"  # auto | hf-mtp | eagle | eagle3 | deepseek-nextn (auto: what fits the head and target)
     checkpoint: str | None = None  # a checkpoint directory (run_dir/checkpoints/step-N); none: the latest
     dtype: str = "auto"  # auto (the target's config.json dtype) | bf16 | fp16 | fp32
     overwrite: bool = False  # replace export directories made from other inputs
@@ -56,7 +60,11 @@ def choose_format(requested: str, variant: str, model_type: str) -> str:
     """The format to write, or an error that says why this head or target cannot have the one asked for."""
     fmt = requested
     if fmt == "auto":
-        fmt = EAGLE if variant == "eagle1" else NEXTN if model_type == "deepseek_v2" else HF_MTP
+        fmt = EAGLE if variant == "eagle1" else EAGLE3 if variant == "eagle3" else \
+            NEXTN if model_type == "deepseek_v2" else HF_MTP
+    if (fmt == EAGLE3) != (variant == "eagle3"):
+        raise ValueError(f"format={fmt} is for {'eagle3' if fmt == EAGLE3 else 'mtp and eagle1'} heads; this head is "
+                         f"{variant!r}: use format={'eagle3' if variant == 'eagle3' else 'auto'}")
     if fmt == EAGLE and variant != "eagle1":
         raise ValueError("format=eagle is for eagle1 heads; this head is `mtp`, and its maths differ: it normalises "
                          "the embedding and the hidden state before eh_proj (enorm, hnorm), keeps its layer's input "
@@ -95,7 +103,7 @@ def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _jobs(fmt: str, state: dict, target_dir: Path, target_config: dict, dtype: str) -> list[tuple]:
+def _jobs(fmt: str, state: dict, target_dir: Path, target_config: dict, dtype: str, head=None) -> list[tuple]:
     """(directory name, layout, writer(tmp), exact) for each directory the format writes; `state` is the head's
     in fp32 (a folded bias is computed before rounding to `dtype`)."""
     import torch
@@ -131,6 +139,20 @@ def _jobs(fmt: str, state: dict, target_dir: Path, target_config: dict, dtype: s
         return [("eagle-vllm", vllm, plain(vllm, vllm.to_export(layouts.fold_fc_bias(state) if folded else state)),
                  not folded),
                 ("eagle-sglang", sglang, plain(sglang, sglang.to_export(biased)), True)]
+    if fmt == EAGLE3:
+        from mtp_train.export import eagle3
+
+        made = eagle3.configs(head, target_config, str(target_dir.resolve()), dtype)
+        jobs = []
+        for name in (eagle3.EAGLE3, eagle3.EAGLE3_SPECULATORS):
+            keys = eagle3.tensors_for(name, state)
+            layout = layouts.Layout(name, {k: k for k in ("fc.", "norm.", "lm_head.", "d2t", "t2d")}
+                                    | ({"midlayer.": "midlayer."} if name == eagle3.EAGLE3 else {"midlayer.": "layers.0."}),
+                                    config=made[name])
+            assert set(layout.to_export(state)) == set(keys)
+            jobs.append((name, layout, lambda tmp, name=name: eagle3.write(tmp, name, state, made[name],
+                                                                           getattr(torch, dtype)), True))
+        return jobs
     layout = layouts.nextn(target_config)
     shared = read_tensors(target_dir, sorted(set(layout.target_tensors.values())))
     embed = shared["model.embed_tokens.weight"]
@@ -147,8 +169,8 @@ def run(cfg: "RunConfig") -> list[Path]:
     from mtp_train.export.card import CardInputs, model_card
     from mtp_train.export.write import (CARD, EXPORT_JSON, check_replaceable, check_round_trip, is_up_to_date,
                                         listing, read_back, staged)
-    from mtp_train.files import write_atomic, write_json
-    from mtp_train.generate import read_head
+    from mtp_train.files import space_for, write_atomic, write_json
+    from mtp_train.train.checkpoint import read_head
     from mtp_train.model.head import DRAFT_VOCAB_BUFFERS
     from mtp_train.model.target import check_model_dir, target_fingerprint
     from mtp_train.files import sha256_file
@@ -161,7 +183,7 @@ def run(cfg: "RunConfig") -> list[Path]:
     dtype = export_dtype(e.dtype, target_config)
     # fp32; `head` becomes the reference: its weights rounded to `dtype`, computing in fp32. No layout carries a
     # draft vocabulary (the card says so); the round trip compares ĥ, which it does not change.
-    state = {k: v for k, v in head.state_dict().items() if k not in DRAFT_VOCAB_BUFFERS}
+    state = {k: v for k, v in head.state_dict().items() if k not in DRAFT_VOCAB_BUFFERS or fmt == EAGLE3}
     head = head.to(getattr(torch, dtype)).float()
     ckpt = Path(meta["checkpoint"])
     report_path, manifest_path = run_dir / "validation" / "report.json", run_dir / "data" / "manifest.json"
@@ -181,7 +203,7 @@ def run(cfg: "RunConfig") -> list[Path]:
                       train=resolved.get("train", {}), manifest=_read_json(manifest_path),
                       report=_read_json(report_path))
     jobs = []
-    for name, layout, write, exact in _jobs(fmt, state, target_dir, target_config, dtype):
+    for name, layout, write, exact in _jobs(fmt, state, target_dir, target_config, dtype, head):
         out = run_dir / "export" / name
         # the exporter's own version and layout tables too: a fixed layout is written again, not "up to date"
         made_by = {"layout": name, "exporter": __version__, "renames": layout.renames,
@@ -192,6 +214,7 @@ def run(cfg: "RunConfig") -> list[Path]:
     for name, _, _, _, out, identity in jobs:
         check_replaceable(out, identity, e.overwrite)
     written = []
+    needed = sum(v.numel() for v in state.values()) * torch.finfo(getattr(torch, dtype)).bits // 8 + (1 << 20)
     for name, layout, write, exact, out, identity in jobs:
         written.append(out)
         if is_up_to_date(out, identity):
@@ -203,9 +226,19 @@ def run(cfg: "RunConfig") -> list[Path]:
                 print(f"export: {out} holds this head already; its model card is updated")
             continue
         t0 = time.perf_counter()
-        with staged(out) as tmp:
+        done = [p.name for p in written[:-1]]
+        kept = ((f"{', '.join(done)} {'is' if len(done) == 1 else 'are'} written and intact; " if done else "")
+                + (f"the earlier {out.name} is untouched" if out.exists() else f"nothing was written to {out}"))
+        with space_for(out, needed, "export", kept), staged(out) as tmp:  # a full disk: staged removes tmp
             write(tmp)
-            check_round_trip(head, read_back(tmp, layout, meta["variant"]), exact, out)
+            if fmt == EAGLE3:  # each engine's reading of the files: ids, offsets, norm placement
+                from transformers import AutoConfig
+
+                from mtp_train.export.eagle3 import check_engine_round_trip
+
+                check_engine_round_trip(head, tmp, name, AutoConfig.from_pretrained(target_dir))
+            else:
+                check_round_trip(head, read_back(tmp, layout, meta["variant"]), exact, out)
             write_atomic(tmp / CARD, model_card(name, out, listing(tmp), card))
             write_json(tmp / EXPORT_JSON, {"identity": identity, "layout": name, "format": fmt, "dtype": dtype,
                                            "checkpoint": str(ckpt), "step": meta["step"],

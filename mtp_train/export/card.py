@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtp_train import __version__
+from mtp_train.export.eagle3 import SPECULATIVE_TOKENS
 
 
 @dataclass
@@ -44,7 +45,7 @@ def _identity(c: CardInputs) -> str:
 def _draft_vocab(layout: str, c: CardInputs) -> str:
     """What a draft vocabulary the head was trained with means for this layout ("" without one)."""
     n = c.meta["head"].get("draft_vocab", 0)
-    if not n:
+    if not n or layout in ("eagle3", "eagle3-speculators"):  # these layouts carry it (d2t, t2d, lm_head)
         return ""
     coverage = c.meta.get("draft_vocab_coverage")
     covered = f", covering {coverage:.1%} of the trained positions" if coverage is not None else ""
@@ -170,6 +171,8 @@ python -m sglang.launch_server --model-path {target} --speculative-algorithm EAG
 
 SGLang's EAGLE `fc` always has a bias (zeros here when the head was trained without one). For vLLM use
 `eagle-vllm` beside this directory."""
+    if layout in ("eagle3", "eagle3-speculators"):
+        return _serving_eagle3(layout, out, c)
     return f"""**vLLM** (`DeepSeekMTPModel`, the NextN layout of DeepSeek-V3's MTP module; this directory's
 `config.json` names the architecture and makes layer {n} dense, as the head is):
 
@@ -189,6 +192,47 @@ drafts after the first may be accepted less often.
 (python/sglang/srt/models/deepseek_v2.py, `_is_layer_sparse`), and **transformers** builds MTP layers
 of DeepSeek models as MoE too (`get_mtp_config` sets `first_k_dense_replace = 0`); this head's MLP is
 dense (DESIGN §3), so neither can load it: serve it with vLLM."""
+
+
+def _serving_eagle3(layout: str, out: Path, c: CardInputs) -> str:
+    aux = c.meta["head"].get("aux_layers") or []
+    ids = f"{aux}" if aux else "(2, L//2, L-3)"
+    k = 5
+    conventions = f"""The head reads the residual stream entering target layers {ids} (transformers'
+`hidden_states[i]`). `config.json` writes them in each engine's convention: vLLM's top-level
+`eagle_aux_hidden_state_layer_ids` counts "input to layer i" (the same numbers); SGLang's
+`eagle_config.eagle_aux_hidden_state_layer_ids` counts "output of layer j" (one less: SGLang adds one before
+capturing). `d2t` holds offsets (target id = draft id + d2t[draft id]), `t2d` marks the target ids inside the
+draft vocabulary ({c.meta['head'].get('draft_vocab')} tokens); `norm_before_residual` is false (the residual is
+the fused features before `hidden_norm`, as SpecForge trains and SGLang runs it). Each engine's reading of
+these files (ids, offsets, residual) was checked to give the trained head's logits exactly when exporting."""
+    if layout == "eagle3-speculators":
+        return f"""**vLLM** (speculators format, `Eagle3Speculator`; `speculators_config.verifier` names the target):
+
+```bash
+vllm serve {out}                     # the verifier named in config.json, {SPECULATIVE_TOKENS} draft tokens
+vllm serve {c.target_path} --speculative-config '{{"model": "{out}", "num_speculative_tokens": {k}}}'
+```
+
+`norm_before_residual: false` is written explicitly: vLLM's speculators path takes it as true when it is
+absent, which would add the normalised features to the attention output and collapse acceptance silently.
+
+{conventions}"""
+    return f"""**vLLM** (`LlamaForCausalLMEagle3`):
+
+```bash
+vllm serve {c.target_path} --speculative-config '{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {k}}}'
+```
+
+**SGLang**:
+
+```bash
+python -m sglang.launch_server --model-path {c.target_path} --speculative-algorithm EAGLE3 \\
+    --speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 1 \\
+    --speculative-num-draft-tokens {k + 1}
+```
+
+{conventions}"""
 
 
 def _no_engine_mtp(c: CardInputs) -> str:

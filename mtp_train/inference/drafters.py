@@ -6,7 +6,8 @@
     drafter.select(rows)                                  finished rows leave the batch
 
 `seqs[b]` is row b's committed sequence, prompt + emitted tokens; its last token is pending (emitted but
-not yet run through the target). `features` are the target's final hidden states for the tokens the
+not yet run through the target). `features` are the target's final hidden states (for an eagle3 head: the
+residual entering its aux layers, concatenated; `Drafter.feature_layers` says which) for the tokens the
 target has committed to its cache since the previous call, in sequence order: the head's input.
 
 * `HeadDrafter`, the trained MTP/EAGLE head (the write-up's MTP schedule). Its cache holds one entry per
@@ -50,6 +51,7 @@ class Drafter(ABC):
     """What `SpeculativeDecoder` asks of a drafter; see the module docstring for the protocol."""
 
     name = "drafter"
+    feature_layers: list[int] | None = None  # the target layers whose input the features are; None: final h
 
     @abstractmethod
     def start(self, batch: int) -> None:
@@ -90,6 +92,7 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: nn.Module, embed: nn.Module, lm_head: nn.Module):
         self.head, self.embed, self.lm_head = head.eval(), embed, lm_head
+        self.feature_layers = list(head.aux_layers) or None  # eagle3 reads the residual entering its layers
         self.cache: SlotCache | None = None
         self.committed: torch.Tensor | None = None  # [B] pairs made from target features
 
@@ -103,14 +106,14 @@ class HeadDrafter(Drafter):
         self.draft = self.head.draft_lm_head(self.lm_head.weight)  # W's rows for the head's draft vocabulary
 
     def _draw(self, h: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ĥ [B, H] -> (target ids [B], q over the target's vocabulary [B, V], zero outside the head's draft
-        vocabulary; None when greedy): drawn over the draft vocabulary, mapped back by the head."""
-        d, q = _draw(self.draft.logits(h).float(), sampling, generator)
+        """A step's output [B, H] -> (target ids [B], q over the target's vocabulary [B, V], zero outside the
+        head's draft vocabulary; None when greedy): drawn over the draft vocabulary, mapped back by the head."""
+        d, q = _draw(self.draft.logits(self.head.readout(h)).float(), sampling, generator)
         V = self.lm_head.weight.shape[0]
         return self.draft.to_target(d), None if q is None else self.draft.to_target_probs(q, V)
 
     def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """One head forward over pairs (hidden [B, T, H], the next tokens [B, T]) right-aligned with valid."""
+        """One head forward over pairs (h [B, T, H], the next tokens [B, T]) right-aligned with valid."""
         with decode_attention(self.device):
             h = self.head(self.embed(tokens), hidden, self.cache.positions(valid, offset=1),
                           self.cache.attention_mask(valid, hidden.dtype), self.cache)
@@ -133,7 +136,7 @@ class HeadDrafter(Drafter):
                     raise RuntimeError(f"row {b}: {counts[b]} new target features but {len(nxt)} tokens after them")
                 tokens[b, valid.shape[1] - counts[b]:] = torch.tensor(nxt)
         tokens = tokens.to(self.device)
-        h = self._step(tokens, hidden.to(self.lm_head.weight.dtype), valid)[:, -1]  # ĥ for the pending token
+        h = self._step(tokens, self.head.fuse(hidden.to(self.lm_head.weight.dtype)), valid)[:, -1]  # pending token's
         self.committed = self.cache.lengths.clone()
         drafted, qs = [], []
         for j in range(k):

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtp_train.inference.cache import SlotCache
 from mtp_train.model.frozen import project
-from mtp_train.model.target import TargetConfig, load_causal_lm
+from mtp_train.model.target import TargetConfig, hook_layer_inputs, load_causal_lm
 
 MASKABLE = ("sdpa", "eager")
 
@@ -98,19 +98,27 @@ class CausalLMRunner:
         return SlotCache(batch, self.device)
 
     @torch.inference_mode()
-    def forward(self, cache: SlotCache, ids: torch.Tensor, valid: torch.Tensor,
-                logits_last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, cache: SlotCache, ids: torch.Tensor, valid: torch.Tensor, logits_last: int | None = None,
+                layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [B, T] right-aligned with `valid [B, T]`; each row continues its own sequence in `cache`.
-        Returns logits [B, L, V] (L = logits_last, or T) in fp32 and hidden [B, T, H]."""
+        Returns logits [B, L, V] (L = logits_last, or T) in fp32 and the features [B, T, H]: the final hidden
+        states, or with `layers` (an eagle3 head's) the residual entering each of them, concatenated [B, T, k·H]."""
         mask = cache.attention_mask(valid, self.dtype)
         positions = cache.positions(valid)
-        with decode_attention(self.device):
-            out = self.base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                            **{self._cache_kw: cache})
+        caught: dict[int, torch.Tensor] = {}
+        hooks = hook_layer_inputs(self.base, layers, caught, "the head's aux_layers") if layers else []
+        try:
+            with decode_attention(self.device):
+                out = self.base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                **{self._cache_kw: cache})
+        finally:
+            for h in hooks:
+                h.remove()
         cache.commit(valid)
         hidden = out.last_hidden_state  # [B, T, H], after the final norm
         tail = hidden if logits_last is None else hidden[:, -logits_last:]
-        return project(tail, self.lm_head.weight, self.lm_head.bias).float(), hidden
+        features = torch.cat([caught[i] for i in layers], dim=-1) if layers else hidden
+        return project(tail, self.lm_head.weight, self.lm_head.bias).float(), features
 
 
 def load_runner(path: str, target: TargetConfig, what: str = "target") -> CausalLMRunner:

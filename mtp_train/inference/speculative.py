@@ -116,7 +116,8 @@ class SpeculativeDecoder:
         if drafter is not None:
             drafter.start(len(prompts))
         ids, valid = left_pad(prompts, device=self.device)
-        logits, hidden = target.forward(self.cache, ids, valid, logits_last=1)
+        self.layers = drafter.feature_layers if drafter is not None else None  # what the drafter reads
+        logits, hidden = target.forward(self.cache, ids, valid, logits_last=1, layers=self.layers)
         first = next_token(logits[:, -1], self.sampling, generator).tolist()
         self.seqs = [list(p) + [t] for p, t in zip(prompts, first)]  # committed; the last one is pending
         self.out = [[t] for t in first]
@@ -159,7 +160,7 @@ class SpeculativeDecoder:
         pending = torch.tensor([self.seqs[r][-1] for r in active], device=device)
         before = self.cache.lengths
         logits, hidden = self.target.forward(self.cache, torch.cat([pending[:, None], drafts], dim=1),
-                                             torch.ones(n, K + 1, dtype=torch.bool, device=device))
+                                             torch.ones(n, K + 1, dtype=torch.bool, device=device), layers=self.layers)
         if self.sampling.greedy:
             accepted, nxt = verify_greedy(drafts, logits, num_drafts)
         else:

@@ -11,7 +11,21 @@ and transformers' `MtpLayer`:
 Variant `eagle1`, the original EAGLE head kept as an ablation and export option: `fc([E[x]; h])` into the
 decoder layer with its input norm removed and no final norm (ĥ = z).
 
-Draft vocabulary (`head.draft_vocab = N > 0`, any variant): the head drafts over N target tokens only (the
+Variant `eagle3` (EAGLE-3, as SpecForge trains it and vLLM / SGLang serve it): target features from several
+layers, fused, into a Llama decoder layer whose attention reads the token and the feature side by side, and a
+trainable lm_head over the draft vocabulary:
+
+    g_i = fc([a_i; b_i; c_i])                          k·H -> H, no bias: the residual stream entering the
+                                                       target layers `aux_layers` (default 2, L//2, L-3)
+    z_i = midlayer(E[x_{i+1}], g_i)                    attention over [input_layernorm(E x); hidden_norm(g)]
+                                                       (2H -> q, k, v), residual from g, then
+                                                       post_attention_layernorm + MLP
+    logits = lm_head(norm(z_i))                        over the draft vocabulary, initialised from W's rows
+
+The chain feeds z (before `norm`) back as the next step's g. The layer is Llama's for every target family
+(what the engines build), sized from the target's config.
+
+Draft vocabulary (`head.draft_vocab = N > 0`, any variant; `eagle3` requires one): the head drafts over N target tokens only (the
 most frequent trained tokens of the training data, `train/vocab.py`), with the frozen lm_head's rows for them,
 `W[draft_ids] ĥ`. The mapping is part of the head, as EAGLE-3's: persistent buffers `d2t` [N] (int64,
 target_id = draft_id + d2t[draft_id], draft ids in ascending target-id order so offsets are >= 0) and `t2d`
@@ -34,14 +48,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from mtp_train.model.frozen import project
 
-VARIANTS = ("mtp", "eagle1")
+VARIANTS = ("mtp", "eagle1", "eagle3")
 DRAFT_VOCAB_BUFFERS = ("d2t", "t2d")  # in the head's state dict with a draft vocabulary (head.draft_vocab > 0)
 
 # model_type -> (modeling module, decoder layer, rotary embedding, RMSNorm). Named explicitly: a family is
@@ -60,12 +74,25 @@ class HeadConfig:
     fc_bias: bool = True  # eagle1's fc has a bias in the original EAGLE; mtp's eh_proj never does
     attn_implementation: str = "sdpa"  # sdpa | eager (the head always passes an explicit mask)
     draft_vocab: int = 0  # draft over the N most frequent trained tokens of the train split; 0 = the full vocabulary
+    # eagle3: the target layers i whose input residual (transformers' hidden_states[i]) is fused, ascending;
+    # empty = (2, L//2, L-3) for an L-layer target
+    aux_layers: list[int] = field(default_factory=list)
+    # eagle3: the residual is hidden_norm(g) instead of g (vLLM speculators' option; SpecForge and SGLang: false)
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_vocab < 0:
             raise ValueError(f"head.draft_vocab={self.draft_vocab}: must be >= 0 (0 drafts over the full vocabulary)")
         if self.variant not in VARIANTS:
             raise ValueError(f"head.variant={self.variant!r}: expected one of {', '.join(VARIANTS)}")
+        if self.variant == "eagle3" and not self.draft_vocab:
+            raise ValueError("head.variant=eagle3 trains its own lm_head over a draft vocabulary: set "
+                             "head.draft_vocab=N (EAGLE-3 uses 32000 for Llama 3's 128k tokens)")
+        if self.norm_before_residual and self.variant != "eagle3":
+            raise ValueError(f"head.norm_before_residual=true is for head.variant=eagle3 (this head is {self.variant})")
+        if self.aux_layers and self.variant != "eagle3":
+            raise ValueError(f"head.aux_layers={list(self.aux_layers)} is for head.variant=eagle3 (this head is "
+                             f"{self.variant}); leave it empty")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"head.attn_implementation={self.attn_implementation!r}: expected sdpa or eager "
                              "(the head's training-time attention pattern needs an explicit mask)")
@@ -78,6 +105,72 @@ def family_classes(model_type: str) -> tuple[type, type, type]:
     module, layer, rotary, norm = FAMILIES[model_type]
     mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     return getattr(mod, layer), getattr(mod, rotary), getattr(mod, norm)
+
+
+def aux_layer_ids(target_config, cfg: HeadConfig) -> list[int]:
+    """The target layers an eagle3 head reads (the residual entering each), ascending; [] for other variants."""
+    if cfg.variant != "eagle3":
+        return []
+    L = target_config.num_hidden_layers
+    ids = list(cfg.aux_layers) or [2, L // 2, L - 3]
+    if any(not 0 <= i < L for i in ids) or any(a >= b for a, b in zip(ids, ids[1:])):
+        given = "head.aux_layers=" + str(list(cfg.aux_layers)) if cfg.aux_layers else f"the default (2, L//2, L-3) = {ids}"
+        raise ValueError(f"{given}: expected ascending, distinct layer indices in 0..{L - 1} for a target of {L} "
+                         "layers; set head.aux_layers=[i,j,k] (small targets: e.g. [1,2,3])")
+    return ids
+
+
+def eagle3_layer_config(target_config, cfg: HeadConfig):
+    """The LlamaConfig of an eagle3 head's layer: the target's width, heads, KV heads, MLP width, norm epsilon
+    and rotary settings (a DeepSeek-V2 target's MLA becomes plain attention over hidden / heads)."""
+    from transformers import LlamaConfig
+
+    t = target_config
+    heads = t.num_attention_heads
+    mla = t.model_type == "deepseek_v2"
+    rope = dict(getattr(t, "rope_parameters", None) or {})
+    if mla or not rope:
+        rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))}
+    c = LlamaConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                    num_hidden_layers=1, num_attention_heads=heads,
+                    num_key_value_heads=heads if mla else getattr(t, "num_key_value_heads", None) or heads,
+                    head_dim=t.hidden_size // heads if mla else getattr(t, "head_dim", None) or t.hidden_size // heads,
+                    hidden_act=getattr(t, "hidden_act", "silu"), rms_norm_eps=t.rms_norm_eps,
+                    max_position_embeddings=t.max_position_embeddings, rope_parameters=rope, attention_bias=False,
+                    mlp_bias=False, tie_word_embeddings=False, use_cache=True)
+    c._attn_implementation = cfg.attn_implementation
+    return c
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer (`midlayer`): Llama attention whose q, k, v read [input_layernorm(E x);
+    hidden_norm(g)] (2H wide), the residual from g, then post_attention_layernorm and the MLP. Returns the
+    output before any final norm."""
+
+    def __init__(self, config, norm_before_residual: bool = False):
+        super().__init__()
+        from transformers.models.llama import modeling_llama as llama
+
+        self.norm_before_residual = norm_before_residual
+
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = llama.LlamaAttention(config, layer_idx=0)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self.self_attn, name, nn.Linear(2 * H, getattr(self.self_attn, name).out_features, bias=False))
+        self.mlp = llama.LlamaMLP(config)
+        self.input_layernorm = llama.LlamaRMSNorm(H, eps=eps)
+        self.hidden_norm = llama.LlamaRMSNorm(H, eps=eps)
+        self.post_attention_layernorm = llama.LlamaRMSNorm(H, eps=eps)
+        params = inspect.signature(llama.LlamaAttention.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def forward(self, embeds, hidden, attention_mask, position_embeddings, cache=None) -> torch.Tensor:
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        a = self.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                           **{self._cache_kw: cache})[0]
+        h = (normed if self.norm_before_residual else hidden) + a
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 def head_config_for(target_config, cfg: HeadConfig):
@@ -136,11 +229,18 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class DraftLMHead:
     """The output layer a head drafts with. `weight` [N, H]: the rows of the target's lm_head W for the draft
-    vocabulary (W itself without one); `ids` [N]: the target id of each draft id, ascending, or None when
-    draft ids are target ids (the full vocabulary). Draft logits are `logits(ĥ)` [..., N]."""
+    vocabulary (W itself without one), or an eagle3 head's own trainable lm_head; `ids` [N]: the target id of
+    each draft id, ascending, or None when draft ids are target ids (the full vocabulary); `target_rows` [N, H]:
+    W's rows for those ids (the target's distribution over the draft vocabulary), `weight` unless the head has
+    its own. Draft logits are `logits(ĥ)` [..., N]."""
 
     weight: torch.Tensor
     ids: torch.Tensor | None = None
+    target_rows: torch.Tensor | None = None
+
+    @property
+    def target_weight(self) -> torch.Tensor:
+        return self.weight if self.target_rows is None else self.target_rows
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., N]
         return project(h, self.weight)
@@ -167,20 +267,35 @@ class DraftHead(nn.Module):
         super().__init__()
         cfg = cfg or HeadConfig()
         self.cfg = cfg
-        self.config = head_config_for(target_config, cfg)
-        layer_cls, rotary_cls, norm_cls = family_classes(target_config.model_type)
+        self.aux_layers = aux_layer_ids(target_config, cfg)
+        if cfg.variant == "eagle3":
+            from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+            self.config = eagle3_layer_config(target_config, cfg)
+            rotary_cls = LlamaRotaryEmbedding
+        else:
+            self.config = head_config_for(target_config, cfg)
+            layer_cls, rotary_cls, norm_cls = family_classes(target_config.model_type)
         H, eps = self.config.hidden_size, self.config.rms_norm_eps
         self.hidden_size = H
+        self.post_norm = None
         if cfg.variant == "mtp":
             self.enorm = norm_cls(H, eps=eps)
             self.hnorm = norm_cls(H, eps=eps)
             self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        else:
+        elif cfg.variant == "eagle1":
             self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
-        self.mtp_block = layer_cls(self.config, layer_idx=0)
-        if cfg.variant == "eagle1":
-            self.mtp_block.input_layernorm = nn.Identity()
-        self.post_norm = norm_cls(H, eps=eps) if cfg.variant == "mtp" else None
+        else:
+            self.fc = nn.Linear(len(self.aux_layers) * H, H, bias=False)
+        if cfg.variant == "eagle3":
+            self.midlayer = Eagle3Layer(self.config, cfg.norm_before_residual)
+            self.norm = LlamaRMSNorm(H, eps=eps)
+            self.lm_head = nn.Linear(H, cfg.draft_vocab, bias=False)
+        else:
+            self.mtp_block = layer_cls(self.config, layer_idx=0)
+            if cfg.variant == "eagle1":
+                self.mtp_block.input_layernorm = nn.Identity()
+            self.post_norm = norm_cls(H, eps=eps) if cfg.variant == "mtp" else None
         V, N = target_config.vocab_size, cfg.draft_vocab
         if N >= V:
             raise ValueError(f"head.draft_vocab={N} is not below the target's vocabulary size {V}: use "
@@ -190,23 +305,42 @@ class DraftHead(nn.Module):
             self.register_buffer("t2d", torch.arange(V) < N)  # [V] bool: target ids inside the draft vocabulary
         self.rotary_emb = rotary_cls(config=self.config)  # buffers only, not persistent
         # transformers renamed the decoder layer's cache argument (past_key_values -> cache)
-        params = inspect.signature(layer_cls.forward).parameters
+        params = inspect.signature(type(self.layer).forward if cfg.variant != "eagle3"
+                                   else type(self.midlayer.self_attn).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def layer(self) -> nn.Module:
+        """The head's decoder layer (`mtp_block`, or eagle3's `midlayer`)."""
+        return self.midlayer if self.cfg.variant == "eagle3" else self.mtp_block
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The first step's h from the target's features: eagle3's fc over its aux layers' states [.., k·H]
+        (concatenated in `aux_layers` order); the final hidden state itself for the other variants."""
+        return self.fc(features) if self.cfg.variant == "eagle3" else features
+
+    def readout(self, out: torch.Tensor) -> torch.Tensor:
+        """What the lm_head reads from a step's output: eagle3's `norm(z)`; the output itself otherwise (mtp's
+        ĥ is already normalised by post_norm, and is what the chain feeds back)."""
+        return self.norm(out) if self.cfg.variant == "eagle3" else out
 
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor, cache: HeadCache | None = None) -> torch.Tensor:
-        """token_embeds E[x_{i+1}] [B, T, H], hidden h_i (or the head's ĥ) [B, T, H], position_ids [B, T],
-        attention_mask additive [B, 1, T, S] over the cache's S entries after this call -> ĥ [B, T, H]."""
-        if self.cfg.variant == "mtp":
-            u = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
-        else:
-            u = self.fc(torch.cat([token_embeds, hidden], dim=-1))
-        position_embeddings = self.rotary_emb(u, position_ids)
+        """token_embeds E[x_{i+1}] [B, T, H], hidden h_i (`fuse`d target features, or the previous step's
+        output) [B, T, H], position_ids [B, T], attention_mask additive [B, 1, T, S] over the cache's S entries
+        after this call -> the step's output [B, T, H] (ĥ; `readout` gives what the lm_head reads)."""
         before = cache.get_seq_length() if cache is not None else 0
-        z = self.mtp_block(u, attention_mask=attention_mask, position_ids=position_ids,
-                           position_embeddings=position_embeddings, **{self._cache_kw: cache})
-        if cache is not None and cache.get_seq_length() != before + u.shape[1]:
-            raise RuntimeError(f"{type(self.mtp_block).__name__} did not write the head's KV cache (passed as "
+        if self.cfg.variant == "eagle3":
+            z = self.midlayer(token_embeds, hidden, attention_mask, self.rotary_emb(hidden, position_ids), cache)
+        else:
+            if self.cfg.variant == "mtp":
+                u = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
+            else:
+                u = self.fc(torch.cat([token_embeds, hidden], dim=-1))
+            z = self.mtp_block(u, attention_mask=attention_mask, position_ids=position_ids,
+                               position_embeddings=self.rotary_emb(u, position_ids), **{self._cache_kw: cache})
+        if cache is not None and cache.get_seq_length() != before + hidden.shape[1]:
+            raise RuntimeError(f"{type(self.layer).__name__} did not write the head's KV cache (passed as "
                                f"{self._cache_kw!r}); this transformers version calls it differently")
         if isinstance(z, tuple):  # older decoder layers return (hidden_states, ...)
             z = z[0]
@@ -219,8 +353,9 @@ class DraftHead(nn.Module):
             return None
         return self.d2t + torch.arange(self.cfg.draft_vocab, device=self.d2t.device)
 
-    def set_draft_vocab(self, ids: torch.Tensor) -> None:
-        """Set the draft vocabulary: `ids`, N distinct target ids (any order)."""
+    def set_draft_vocab(self, ids: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> None:
+        """Set the draft vocabulary: `ids`, N distinct target ids (any order). An eagle3 head's own lm_head
+        starts from the target's lm_head rows for them (`lm_head_weight`, W [V, H])."""
         N, V = self.cfg.draft_vocab, self.t2d.shape[0] if self.cfg.draft_vocab else 0
         ids = torch.as_tensor(ids, dtype=torch.long).flatten().sort().values
         distinct = int(ids.unique().numel())
@@ -233,6 +368,8 @@ class DraftHead(nn.Module):
             self.d2t.copy_(ids - torch.arange(N))
             self.t2d.zero_()
             self.t2d[ids.to(self.t2d.device)] = True
+            if self.cfg.variant == "eagle3" and lm_head_weight is not None:
+                self.lm_head.weight.copy_(lm_head_weight.index_select(0, ids.to(lm_head_weight.device)))
 
     def draft_lm_head(self, W: torch.Tensor) -> DraftLMHead:
         """What the head drafts with, given the target's lm_head weight W [V, H]: W's rows for the draft
@@ -242,13 +379,21 @@ class DraftHead(nn.Module):
         if ids is None:
             return DraftLMHead(W)
         ids = ids.to(W.device)
-        return DraftLMHead(W.index_select(0, ids), ids)
+        rows = W.index_select(0, ids)
+        if self.cfg.variant == "eagle3":
+            return DraftLMHead(self.lm_head.weight, ids, rows)
+        return DraftLMHead(rows, ids)
 
     def init_from_target(self, frozen) -> None:
-        """Start `post_norm` from the target's final norm (the head's ĥ then lives where h does)."""
-        if self.post_norm is not None and frozen.final_norm is not None:
-            with torch.no_grad():
-                self.post_norm.weight.copy_(frozen.final_norm.to(self.post_norm.weight))
+        """Start `post_norm` (eagle3: `norm`) from the target's final norm (the head's ĥ then lives where h
+        does), and eagle3's lm_head from W's rows of the draft vocabulary (again at `set_draft_vocab`)."""
+        norm = self.norm if self.cfg.variant == "eagle3" else self.post_norm
+        with torch.no_grad():
+            if norm is not None and frozen.final_norm is not None:
+                norm.weight.copy_(frozen.final_norm.to(norm.weight))
+            if self.cfg.variant == "eagle3":
+                ids = self.draft_ids.to(frozen.lm_head_weight.device)
+                self.lm_head.weight.copy_(frozen.lm_head_weight.index_select(0, ids).to(self.lm_head.weight))
 
 
 def chain_masks(valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
@@ -279,18 +424,19 @@ def unrolled(head: DraftHead, embed, hidden: torch.Tensor, input_ids: torch.Tens
              depth: int) -> list[torch.Tensor]:
     """The training forward for all anchors at once, `depth` steps deep.
 
-    hidden [B, T, H] are the target's h, input_ids [B, T], lengths [B] real tokens per row (right padding).
-    `embed` maps ids to the frozen embeddings. Returns [ĥ_0, ..., ĥ_{depth-1}], each [B, T, H], where
+    hidden [B, T, H] are the target's h (eagle3: its aux layers' states [B, T, k·H], `fuse`d first), input_ids
+    [B, T], lengths [B] real tokens per row (right padding). `embed` maps ids to the frozen embeddings. Returns
+    [ĥ_0, ..., ĥ_{depth-1}], each [B, T, H] (what the lm_head reads: `readout` of each step's output), where
     ĥ_j[:, i] is the head's estimate of h_{i+1+j} for the chain anchored at i (valid where i+1+j < length).
     """
     B, T, _ = hidden.shape
     pos = torch.arange(T, device=hidden.device)[None].expand(B, T)
     valid = pos < lengths[:, None]
     cache = HeadCache()
-    outputs, h = [], hidden
+    outputs, h = [], head.fuse(hidden)
     for j in range(depth):
         tokens = shift_left(input_ids, 1 + j)  # x_{i+1+j}
         mask = chain_masks(valid, j, hidden.dtype)
         h = head(embed(tokens), h, pos + 1 + j, mask, cache)
-        outputs.append(h)
+        outputs.append(head.readout(h))
     return outputs

@@ -184,3 +184,25 @@ def check_draft_tokenizer(target_path: str | Path, draft_path: str | Path, targe
     if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
         raise ValueError(f"draft tokenizer at {draft_path} differs from the target's at {target_path}: "
                          "a draft LM must share the target's tokenizer")
+
+
+def hook_layer_inputs(decoder: torch.nn.Module, layers: list[int], into: dict[int, torch.Tensor], what: str = "store.layers"
+                      ) -> list:
+    """Forward pre-hooks that put the residual stream entering each decoder layer i of `layers` (transformers'
+    `hidden_states[i]`) into `into[i]` at every forward; returns their handles (`.remove()` them). `what`
+    names the setting in the errors."""
+    blocks = getattr(decoder, "layers", None)
+    if layers and not isinstance(blocks, torch.nn.ModuleList):
+        raise ValueError(f"{what}: {type(decoder).__name__} has no `layers` list to capture from")
+    bad = [i for i in layers if not 0 <= i < len(blocks)]
+    if bad:
+        raise ValueError(f"{what} {bad} out of range: the target has {len(blocks)} decoder layers "
+                         f"(0..{len(blocks) - 1})")
+
+    def catcher(i: int):
+        def hook(module, args, kwargs):
+            into[i] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    return [blocks[i].register_forward_pre_hook(catcher(i), with_kwargs=True) for i in layers]

@@ -156,24 +156,12 @@ class HiddenStates:
     entering each requested layer, caught by forward pre-hooks so no other layer's states are kept."""
 
     def __init__(self, decoder: torch.nn.Module, layers: list[int]):
-        blocks = getattr(decoder, "layers", None)
-        if layers and not isinstance(blocks, torch.nn.ModuleList):
-            raise ValueError(f"store.layers: {type(decoder).__name__} has no `layers` list to capture from")
-        bad = [i for i in layers if not 0 <= i < len(blocks)]
-        if bad:
-            raise ValueError(f"store.layers {bad} out of range: the target has {len(blocks)} decoder layers "
-                             f"(0..{len(blocks) - 1})")
+        from mtp_train.model.target import hook_layer_inputs
+
         self.decoder, self.layers = decoder, list(layers)
         self._captured: dict[int, torch.Tensor] = {}
-        for i in self.layers:
-            blocks[i].register_forward_pre_hook(self._catcher(i), with_kwargs=True)
+        hook_layer_inputs(decoder, self.layers, self._captured)
         self.device = decoder.get_input_embeddings().weight.device
-
-    def _catcher(self, i: int):
-        def hook(module, args, kwargs):
-            self._captured[i] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -444,12 +432,20 @@ def plan_jobs(cfg: "RunConfig") -> list[SplitJob]:
     if bad:
         raise ValueError(f"store.layers {bad} out of range: the target has {arch.num_hidden_layers} decoder layers "
                          f"(0..{arch.num_hidden_layers - 1})")
+    layers = stored_layers(store.layers, arch, cfg.head)
     dtype = store.storage_dtype(cfg.target.dtype)
-    settings = StoreSettings(dtype, arch.hidden_size, tuple(store.layers),
-                             shard_tokens_for(store.shard_mb, dtype, arch.hidden_size, len(store.layers)),
-                             cfg.target.dtype)
+    settings = StoreSettings(dtype, arch.hidden_size, layers,
+                             shard_tokens_for(store.shard_mb, dtype, arch.hidden_size, len(layers)), cfg.target.dtype)
     return [SplitJob.plan_for(name, SplitData.open(run_dir / "data" / name, arch.vocab_size),
                               run_dir / "store" / name, identity, settings) for name in SPLITS]
+
+
+def stored_layers(layers, arch, head) -> tuple[int, ...]:
+    """The layers a store keeps beside the final hidden state: `store.layers`, then those the head reads (an
+    eagle3 head's aux layers) that it does not name."""
+    from mtp_train.model.head import aux_layer_ids
+
+    return tuple(layers) + tuple(i for i in aux_layer_ids(arch, head) if i not in layers)
 
 
 def run(cfg: "RunConfig") -> dict[str, dict]:
@@ -484,7 +480,7 @@ def run(cfg: "RunConfig") -> dict[str, dict]:
         resumed = {job.name: len(job.ranges) - len(pending[job.name]) for job in todo}
         stats = {}
         if any(pending.values()):
-            hidden_states = HiddenStates(load_decoder(cfg.target, device_map, max_memory), list(cfg.store.layers))
+            hidden_states = HiddenStates(load_decoder(cfg.target, device_map, max_memory), list(jobs[0].settings.layers))
             if len(jobs[0].ranges) < ranks.world:
                 say(f"precompute: {len(jobs[0].ranges)} train shard(s) for {ranks.world} ranks: some ranks idle; "
                     "lower store.shard_mb to spread the work")

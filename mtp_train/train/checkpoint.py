@@ -16,8 +16,9 @@
 No pickle: a state is written as its tensors (safetensors) and a JSON skeleton naming them, so reading a
 checkpoint never runs code from whoever wrote it. Checkpoints of earlier versions (`optimizer.pt`,
 `trainer_state.pt`) are read with `torch.load(weights_only=True)`, which accepts tensors and plain values
-only and refuses anything else. DeepSpeed's own files under `deepspeed/` are its format (torch.save); they are
-checked against `sha256.json` before DeepSpeed reads them.
+only and refuses anything else. DeepSpeed's own files under `deepspeed/` are its format (torch.save), which
+DeepSpeed unpickles in full; they are checked against `sha256.json`, then read with `weights_only=True` and an
+allow-list of DeepSpeed's classes (`distributed.check_deepspeed_files`) before DeepSpeed reads them.
 
 A resume takes the newest checkpoint whose files match `sha256.json` (`newest_intact`): a damaged or
 truncated one is named and skipped for the one before it, and with none intact the resume stops.
@@ -36,10 +37,14 @@ import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from mtp_train.files import fsync_path, replace_dir, sha256_file, write_atomic
+
+if TYPE_CHECKING:
+    from mtp_train.config import RunConfig
 
 LATEST = "latest"
 CHECKSUMS = "sha256.json"
@@ -306,3 +311,36 @@ def load_states(path: Path) -> tuple[dict | None, dict]:
 
 def load_trainer_state(path: Path) -> dict:
     return load_state(path, "trainer_state")
+
+
+# -- a trained head, for validate / generate / export ---------------------------------------------------
+def trained_head(run_dir: str | Path) -> Path:
+    """run_dir/checkpoints/latest, or an error that says to train first."""
+    root = checkpoint_root(run_dir)
+    path = latest(root)
+    if path is None:
+        raise FileNotFoundError(f"no trained head in {root} (no `latest` checkpoint): run mtp-train train first, "
+                                f"with the same recipe and run_dir={run_dir}")
+    return path
+
+
+def read_head(cfg: RunConfig, path: Path | None = None):
+    """The head of a checkpoint directory (default `run_dir/checkpoints/latest`) as a `DraftHead` in fp32 on
+    the CPU, and its head.json with `checkpoint` set. Refuses a checkpoint trained for another target."""
+    from transformers import AutoConfig
+
+    from mtp_train.model.head import DraftHead, HeadConfig
+    from mtp_train.model.target import target_fingerprint
+
+    path = trained_head(cfg.run_dir) if path is None else Path(path)
+    if not (path / "head.safetensors").is_file() or not (path / "head.json").is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint (no head.safetensors and head.json); name a "
+                                f"step-* directory of {Path(cfg.run_dir) / 'checkpoints'}")
+    meta = load_meta(path)
+    if meta.get("target_fingerprint") != target_fingerprint(cfg.target.path):
+        raise ValueError(f"checkpoint {path} was trained for target {meta.get('target_path')}, not for this run's "
+                         f"target {cfg.target.path} (their config / weight fingerprints differ)")
+    head = DraftHead(AutoConfig.from_pretrained(cfg.target.path), HeadConfig(**meta["head"]))
+    head.load_state_dict(load_head_state(path))
+    meta["checkpoint"] = str(path)
+    return head.eval().requires_grad_(False), meta

@@ -53,10 +53,17 @@ def steps_per_epoch(n_samples: int, micro_batch: int, world: int, grad_accum: in
 
 class Collate:
     """Reads a micro-batch from the store and right-pads it: hidden [B, T, H] (float32), input_ids [B, T],
-    loss_mask [B, T] bool, lengths [B]."""
+    loss_mask [B, T] bool, lengths [B]; with `aux` (an eagle3 head's layers) also aux [B, T, k·H], the stored
+    states of those layers concatenated in that order (the head's input; `hidden` stays the loss's target)."""
 
-    def __init__(self, reader):
+    def __init__(self, reader, aux: list[int] | tuple[int, ...] = ()):
         self.reader = reader
+        missing = [i for i in aux if i not in reader.layers]
+        if missing:
+            raise ValueError(f"store {reader.dir} holds layers {list(reader.layers)}, not {missing}, which the head "
+                             f"reads: precompute with store.layers={list(aux)} (into a new run_dir, or with "
+                             "store.overwrite=true)")
+        self.slots = [reader.layers.index(i) for i in aux]
 
     def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
         samples = [self.reader[i] for i in indices]
@@ -65,19 +72,28 @@ class Collate:
         B = len(samples)
         out = {"hidden": torch.zeros(B, T, H), "input_ids": torch.zeros(B, T, dtype=torch.long),
                "loss_mask": torch.zeros(B, T, dtype=torch.bool), "lengths": torch.zeros(B, dtype=torch.long)}
+        if self.slots:
+            out["aux"] = torch.zeros(B, T, len(self.slots) * H)
         for b, s in enumerate(samples):
             n = s["input_ids"].shape[0]
             out["hidden"][b, :n] = s["hidden"]
             out["input_ids"][b, :n] = s["input_ids"]
             out["loss_mask"][b, :n] = s["loss_mask"].bool()
             out["lengths"][b] = n
+            if self.slots:
+                out["aux"][b, :n] = s["layers"][self.slots].permute(1, 0, 2).reshape(n, -1)
         return out
 
 
-def loader(reader, batches: list[list[int]], num_workers: int = 0):
+def head_inputs(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What the head's first step reads: an eagle3 head's aux layers, else the final hidden states."""
+    return batch["aux"] if "aux" in batch else batch["hidden"]
+
+
+def loader(reader, batches: list[list[int]], num_workers: int = 0, aux: list[int] | tuple[int, ...] = ()):
     """Iterate collated micro-batches in the given order (workers prefetch; order is kept)."""
     # its own generator: a DataLoader otherwise draws its base seed from the global RNG, which would make a
     # resumed run's random stream differ from an uninterrupted one
-    return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False, collate_fn=Collate(reader),
+    return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False, collate_fn=Collate(reader, aux),
                                        num_workers=num_workers, persistent_workers=False,
                                        generator=torch.Generator().manual_seed(0))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -133,6 +134,30 @@ def gather_objects(obj) -> list:
     return out
 
 
+def agree(error: BaseException | None, what: str) -> None:
+    """After a part of a collective job that a rank may fail alone (a write): every rank learns whether any
+    failed, and all raise together: a rank its own error, the others the first failing rank's, as the same
+    kind (a full disk stays `DiskFull`). Without it a rank that failed alone leaves the others waiting at the
+    next collective until the process group times out."""
+    from mtp_train.files import NO_SPACE, DiskFull
+
+    if not distributed() or torch.distributed.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    told = gather_objects(None if error is None else  # (errno, the message without "[Errno n]")
+                         (getattr(error, "errno", None), getattr(error, "strerror", None) or str(error)))
+    if error is not None:
+        raise error
+    for rank, failure in enumerate(told):
+        if failure is not None:
+            code, text = failure
+            message = f"rank {rank} failed {what}: {text}"
+            if code in NO_SPACE:
+                raise DiskFull(code, message)
+            raise OSError(code, message) if code is not None else RuntimeError(message)
+
+
 # --------------------------------------------------------------------------------- activation checkpointing
 
 
@@ -155,9 +180,9 @@ def apply_activation_checkpointing(head: DraftHead) -> None:
     """Recompute the decoder layer's MLP in backward (its gate/up/down activations, 4 x intermediate size per
     token, are most of the layer's). The attention is not recomputed: it appends to the head's KV cache, which
     the unrolled chain's later steps read, and a recompute would append again."""
-    mlp = getattr(head.mtp_block, "mlp", None)
+    mlp = getattr(head.layer, "mlp", None)
     if mlp is None:
-        raise ValueError(f"train.activation_checkpointing: {type(head.mtp_block).__name__} has no `mlp` to recompute")
+        raise ValueError(f"train.activation_checkpointing: {type(head.layer).__name__} has no `mlp` to recompute")
     checkpoint_module(mlp)
 
 
@@ -344,10 +369,45 @@ class DeepSpeedEngine(Engine):
         if not (where / DEEPSPEED_TAG).is_dir():
             raise FileNotFoundError(f"{where / DEEPSPEED_TAG} is missing: {directory} was not written by DeepSpeed "
                                     "or is incomplete; resume from another checkpoint")
+        check_deepspeed_files(where / DEEPSPEED_TAG, self.rank)
         path, _ = self.ds.load_checkpoint(str(where), tag=DEEPSPEED_TAG, load_optimizer_states=True,
                                           load_lr_scheduler_states=False)
         if path is None:
             raise ValueError(f"DeepSpeed could not load its checkpoint from {where}")
+
+
+# what DeepSpeed's checkpoints hold besides tensors and plain values (found by listing their pickles' globals)
+DEEPSPEED_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.zero.config.ZeroStageEnum",
+                     "deepspeed.utils.tensor_fragment.fragment_address")
+
+
+def check_deepspeed_files(where: Path, rank: int) -> None:
+    """Refuse a DeepSpeed checkpoint file that would run code when DeepSpeed reads it.
+
+    DeepSpeed reads its files with `torch.load(weights_only=False)`, a full unpickler. Before it does, each file
+    this rank will read (its own partitions and the shared ones) is read here with `weights_only=True` and an
+    allow-list of the three DeepSpeed classes its checkpoints hold (memory-mapped: tensors are not copied). A
+    file that names any other global, as a planted pickle does to run code, is refused, unread by DeepSpeed; one
+    that passes can only make DeepSpeed's own read build tensors, plain values and those three classes."""
+    import importlib
+    import pickle
+
+    allowed = []
+    for name in DEEPSPEED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        allowed.append(getattr(importlib.import_module(module), attr))
+    other_ranks = re.compile(r"_rank_(\d+)_")
+    for f in sorted(where.rglob("*.pt")):
+        m = other_ranks.search(f.name.replace("mp_rank", "mp"))
+        if m and int(m.group(1)) != rank:
+            continue  # another rank's partition: that rank checks it
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{f} holds more than tensors, plain values and DeepSpeed's own classes, so it is not "
+                             "loaded: unpickling it would run code from whoever wrote it. Resume from another "
+                             f"checkpoint or start a new run_dir. ({str(e).splitlines()[0]})") from None
 
 
 def import_deepspeed(device: torch.device):

@@ -46,10 +46,12 @@ class ChunkedDistill(torch.autograd.Function):
     """sum_n weight_n · CE(q_n, p_n) over rows, plus metrics.
 
     Inputs: x [N, H] (the head's ĥ, needs grad), y [N, H] (the target's h_next), W [V, H] frozen, weight [N];
-    with a draft vocabulary also Wd [M, H] (its rows of W, frozen) and ids [M] (their target ids).
+    with a draft vocabulary also Wd [M, H] (the draft's lm_head: W's rows, frozen, or an eagle3 head's own,
+    trainable), ids [M] (their target ids) and Wt [M, H] (W's rows for them; Wd when not given).
     Full vocabulary: q = softmax(W x), p = softmax(W y / T). Draft vocabulary: q = softmax(Wd x) over the M
-    draft tokens and p the target's distribution renormalised over them, softmax((W y)[ids] / T); a row whose
-    target argmax (over the full vocabulary) is outside contributes no loss and no gradient.
+    draft tokens and p the target's distribution renormalised over them, softmax((Wt y) / T); a row whose
+    target argmax (over the full vocabulary) is outside contributes no loss and no gradient. A trainable Wd gets
+    its gradient too (Σ_rows (q - p) x^T, formed chunk by chunk like x's).
     Outputs: loss (scalar, differentiable in x), and per-row metrics [N, 3], not differentiable: top-1
     agreement of the draft's argmax (as a target id) with the target's full-vocabulary argmax; expected
     acceptance Σ_x min(p_full(x), q(x)) with p_full = softmax(W y / T) and q zero outside the draft vocabulary;
@@ -57,12 +59,12 @@ class ChunkedDistill(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, W, weight, temperature: float, chunk: int, Wd=None, ids=None, stats=None):
+    def forward(ctx, x, y, W, weight, temperature: float, chunk: int, Wd=None, ids=None, stats=None, Wt=None):
         N = x.shape[0]
-        if Wd is not None and Wd.requires_grad:
-            raise NotImplementedError("a trainable draft lm_head needs its own gradient, which ChunkedDistill "
-                                      "does not form yet")
+        if Wd is not None and ctx.needs_input_grad[6] and ids is None:
+            raise NotImplementedError("a trainable lm_head is supported over a draft vocabulary (ids) only")
         grad = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+        grad_wd = torch.zeros(Wd.shape, dtype=torch.float32, device=Wd.device) if ctx.needs_input_grad[6] else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         metrics = torch.ones(N, 3, dtype=torch.float32, device=x.device)
         inside = None
@@ -74,20 +76,26 @@ class ChunkedDistill(torch.autograd.Function):
                 part, g = _full_chunk(xs, ys, W, ws, temperature, metrics[s:s + chunk])
             else:
                 st = None if stats is None else (stats[0][s:s + chunk], stats[1][s:s + chunk])
-                part, g = _draft_chunk(xs, ys, W, Wd, ids, inside, ws, temperature, metrics[s:s + chunk], st)
+                part, g = _draft_chunk(xs, ys, W, Wd, ids, inside, ws, temperature, metrics[s:s + chunk], st,
+                                       Wd if Wt is None else Wt)
+                if grad_wd is not None:  # d loss / d Wd = Σ_rows g_row x_row^T
+                    grad_wd += g.float().T @ xs.float()
+                g = g.to(Wd.dtype) @ Wd
             loss += part
             if grad is not None:
                 grad[s:s + chunk] = g.to(x.dtype)
             del g
-        ctx.save_for_backward(grad)
+        ctx.wd_dtype = None if Wd is None else Wd.dtype
+        ctx.save_for_backward(grad, grad_wd)
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
     @staticmethod
     def backward(ctx, grad_loss, grad_metrics):
-        (grad,) = ctx.saved_tensors
-        return (None if grad is None else grad * grad_loss.to(grad.dtype)), None, None, None, None, None, None, None, \
-            None
+        grad, grad_wd = ctx.saved_tensors
+        scale = grad_loss.float()
+        return (None if grad is None else grad * scale.to(grad.dtype)), None, None, None, None, None, \
+            (None if grad_wd is None else (grad_wd * scale).to(ctx.wd_dtype)), None, None, None
 
 
 def _softmax_(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -131,16 +139,17 @@ def target_stats(y: torch.Tensor, W: torch.Tensor, temperature: float, chunk: in
     return top, lse
 
 
-def _draft_chunk(xs, ys, W, Wd, ids, inside, ws, temperature, metrics, stats=None):
+def _draft_chunk(xs, ys, W, Wd, ids, inside, ws, temperature, metrics, stats=None, Wt=None):
     """One chunk over a draft vocabulary of M tokens: three [n, M] fp32 buffers, and one [n, V] unless `stats`
     (the rows' `target_stats`) is given. Fills metrics[:, :3]; returns the chunk's weighted loss and its
-    gradient with respect to xs."""
+    gradient with respect to the draft logits Wd xs, [n, M] fp32 (the caller chains it to xs and Wd)."""
     if stats is None:
         stats = target_stats(ys, W, temperature, ys.shape[0])
     top_p, lse = stats
     kept = inside[top_p]  # the target's argmax is a draft token
     ws = ws * kept
-    p = (ys.to(Wd.dtype) @ Wd.T).float()  # target logits over the draft vocabulary [n, M]
+    Wt = Wd if Wt is None else Wt
+    p = (ys.to(Wt.dtype) @ Wt.T).float()  # target logits over the draft vocabulary [n, M]
     if temperature != 1.0:
         p.div_(temperature)
     p_sub = _softmax_(p.clone())  # the target renormalised over the draft vocabulary
@@ -154,12 +163,13 @@ def _draft_chunk(xs, ys, W, Wd, ids, inside, ws, temperature, metrics, stats=Non
     metrics[:, 1] = torch.minimum(p, d, out=p).sum(-1)  # Σ min(p_full, q); q = 0 outside
     del p
     d.sub_(p_sub)  # q - p_sub = d CE / d draft logits
-    return loss, d.mul_(ws[:, None]).to(Wd.dtype) @ Wd
+    return loss, d.mul_(ws[:, None])
 
 
-def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=None, ids=None, stats=None):
-    """`stats`: the rows' `target_stats(y, W, temperature)`, when the caller has them (draft vocabulary only)."""
-    return ChunkedDistill.apply(x, y, W, weight, temperature, chunk, Wd, ids, stats)
+def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=None, ids=None, stats=None, Wt=None):
+    """`stats`: the rows' `target_stats(y, W, temperature)`, when the caller has them (draft vocabulary only);
+    `Wt`: W's rows of the draft vocabulary when the draft's lm_head `Wd` is the head's own."""
+    return ChunkedDistill.apply(x, y, W, weight, temperature, chunk, Wd, ids, stats, Wt)
 
 
 def predicted_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, depth_index: int) -> torch.Tensor:
@@ -202,6 +212,7 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
     ce_fn = ce or distill_ce
     sub = draft is not None and draft.ids is not None
     extra = (draft.weight, draft.ids) if sub else ()
+    own = {"Wt": draft.target_rows} if sub and draft.target_rows is not None else {}  # eagle3: its own lm_head
     sels = [predicted_mask(loss_mask, lengths, j) for j in range(len(outputs))]
     stats_at = None
     if sub and ce is None:
@@ -239,7 +250,7 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
         target[:, :-shift] = hidden[:, shift:]  # h_{i+1+j}
         x, y = h_hat[sel], target[sel]  # [n, H]
         feat_sum = F.smooth_l1_loss(x.float(), y.float(), reduction="none").mean(-1).sum()
-        more = {"stats": stats_at(j, sel)} if stats_at is not None else {}
+        more = {**({"stats": stats_at(j, sel)} if stats_at is not None else {}), **own}
         ce_sum, per_row = ce_fn(x, y, W, x.new_full((n,), 1.0 / denom), cfg.temperature, cfg.chunk_tokens, *extra,
                                 **more)
         total = total + cfg.gamma ** j * (cfg.w_feat * (feat_sum / denom) + cfg.w_logit * ce_sum)

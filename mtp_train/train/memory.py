@@ -160,7 +160,7 @@ def estimate_memory(target_config, train, seq_len: int, world: int, strategy: st
     stage = train.zero_stage if strategy == "deepspeed" else 0
     n = max(1, world)
     largest_param = max(p.numel() for p in head.parameters())
-    modules = [head.mtp_block.self_attn, head.mtp_block.mlp, getattr(head, "eh_proj", None) or head.fc]
+    modules = [head.layer.self_attn, head.layer.mlp, getattr(head, "eh_proj", None) or head.fc]
     largest_module = max(sum(p.numel() for p in m.parameters()) for m in modules)
     if stage == 0:  # single, DDP (gradients are DDP's bucket views: no second copy)
         weights, grads, optim, comm = 4 * P, 4 * P, 8 * P, 0
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
            f"samples of {cfg.data.max_length} tokens"
     print(f"{recipe}: " + est.format(gpu, what))
     if not est.fits(gpu):
-        print(f"does not fit: lower train.micro_batch, data.max_length or train.depth, or set "
+        print("does not fit: lower train.micro_batch, data.max_length or train.depth, or set "
               "train.activation_checkpointing=true", file=sys.stderr)
         return 1
     return 0

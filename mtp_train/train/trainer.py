@@ -21,6 +21,7 @@ prints its coverage. A resume with another draft vocabulary is refused.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -28,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-from mtp_train.files import space_for
+from mtp_train.files import check_space, space_for
 from mtp_train.model.frozen import FrozenTarget
 from mtp_train.preempt import STOP_FILE, Preempted, StopRequests
 from mtp_train.model.head import DraftHead, unrolled
 from mtp_train.train import checkpoint as ckpt
 from mtp_train.train import distributed as dist
-from mtp_train.train.data import Collate, length_batches, loader, rank_batches, steps_per_epoch
+from mtp_train.train.data import Collate, head_inputs, length_batches, loader, rank_batches, steps_per_epoch
 from mtp_train.train.log import MetricsLogger
 from mtp_train.train.loss import LossConfig, counted_positions, head_loss
 from mtp_train.train.vocab import DRAFT_VOCAB_JSON, choose_draft_vocab, write_record
@@ -190,7 +191,7 @@ def evaluate(head: DraftHead, frozen: FrozenTarget, batches, depth: int, loss_cf
 def _evaluate_batch(head, frozen, draft, batch, depth, loss_cfg, device, autocast, sums, names) -> None:
     batch = {k: v.to(device) for k, v in batch.items()}
     with autocast():
-        outs = unrolled(head, frozen.embed, batch["hidden"], batch["input_ids"], batch["lengths"], depth)
+        outs = unrolled(head, frozen.embed, head_inputs(batch), batch["input_ids"], batch["lengths"], depth)
     _, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
                      frozen.lm_head_weight, loss_cfg, draft=draft)
     if sums is not None:
@@ -216,6 +217,10 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.device = dist.device_for(cfg.target.device, dist.Ranks(rank, world, local_rank))
         self.strategy = dist.resolve_strategy(self.tc.strategy, world, self.device)
+        if cfg.head.variant == "eagle3" and self.tc.loss.w_feat:
+            raise ValueError(f"train.loss.w_feat={self.tc.loss.w_feat}: an eagle3 head is trained on the "
+                             "distribution alone (its output is not an estimate of the target's hidden state); "
+                             "set train.loss.w_feat=0")
         if self.tc.precision == "bf16" and self.device.type == "cpu":
             self.say("train: bf16 autocast on CPU is 20-30x slower than fp32 here; use train.precision=fp32 on CPUs")
         store = self.run_dir / "store"
@@ -238,8 +243,10 @@ class Trainer:
         self.draft_vocab = None  # head.draft_vocab > 0: counted from the train store (every rank alike)
         if cfg.head.draft_vocab:
             self.draft_vocab = choose_draft_vocab(self.train_store, cfg.head.draft_vocab, self.target_config.vocab_size)
-            self.head.set_draft_vocab(self.draft_vocab.ids)
+            self.head.set_draft_vocab(self.draft_vocab.ids, self.frozen.lm_head_weight)
         self.metric_names = metric_names(self.head)
+        for reader in (self.train_store, self.val_store):  # a store without the layers an eagle3 head reads
+            Collate(reader, self.head.aux_layers)
         tc = self.tc
         self.steps_per_epoch = steps_per_epoch(len(self.train_store), tc.micro_batch, world, tc.grad_accum)
         if self.steps_per_epoch == 0:
@@ -301,31 +308,56 @@ class Trainer:
     def save(self) -> Path | None:
         """A checkpoint of the current step. Every rank calls it: under DeepSpeed each writes its optimizer
         partition and ZeRO-3 gathers the head; rank 0 writes the rest and makes it visible. Returns the
-        checkpoint's path on rank 0, None on the others."""
+        checkpoint's path on rank 0, None on the others.
+
+        A write that fails on one rank (a full disk) stops every rank with that rank's error (`dist.agree` after
+        each part that writes), and rank 0 removes the partial directory. With several processes every rank
+        first checks that the file system has room for the whole checkpoint: DeepSpeed writes each rank's
+        partition inside its own collectives, where a rank that failed alone could not tell the others."""
         if self.resumed_from is not None and self.step == self.resumed_step:
             return self.resumed_from if self.rank == 0 else None  # nothing trained since: that checkpoint is this state
         tmp = self.ckpt_root / f"step-{self.step:06d}.tmp"
-        needed = 3 * sum(p.numel() * p.element_size() for p in self.head.parameters())  # weights + Adam's two
+        params = list(self.head.parameters())
+        # weights as they are + fp32 Adam moments + an fp32 master copy (DeepSpeed under bf16): an upper bound
+        needed = sum(p.numel() * (p.element_size() + 12) for p in params)
         pointer = self.ckpt_root / ckpt.LATEST
         last = self.ckpt_root / pointer.read_text().strip() if pointer.is_file() else None
         kept = f"the last complete checkpoint ({last or 'none yet'}) is untouched"
-        with space_for(tmp, needed, "checkpoint", kept, partial=[tmp]):
+
+        def attempt(write) -> BaseException | None:
+            try:
+                with space_for(tmp, needed, "checkpoint", kept, partial=[tmp]):
+                    write()
+            except Exception as e:
+                return e
+            return None
+
+        path = None
+        try:
+            if self.world > 1:
+                dist.agree(attempt(lambda: check_space(tmp, needed, "checkpoint", kept)), "its space check")
             if self.rank == 0:
                 ckpt.begin(self.ckpt_root, self.step)
             dist.barrier()  # the directory exists before any rank writes into it
-            self.engine.save(tmp)
+            dist.agree(attempt(lambda: self.engine.save(tmp)), "writing its optimizer state")
             head_state = self.engine.head_state_dict()
             rngs = dist.gather_objects(ckpt.rng_state())
-            dist.barrier()  # every rank's part is written
-            path = None
-            if self.rank == 0:
+
+            def rest() -> None:
+                nonlocal path
                 state = {"step": self.step, "epoch": self.epoch, "consumed": self.consumed,
                          "scheduler": self.scheduler.state_dict(), "total_steps": self.total_steps,
                          "data": self.data_settings(), "engine": self.engine_settings.layout()}
                 ckpt.write(tmp, self.step, head_state, self.head_meta(), state, self.config_yaml,
                            rng=rngs[0] if self.world == 1 else rngs)
                 path = ckpt.commit(self.ckpt_root, self.step, keep=self.tc.keep_checkpoints)
-        dist.barrier()  # no rank moves on (or exits) before the checkpoint is complete
+
+            # every rank's part is written; no rank moves on (or exits) before the checkpoint is complete
+            dist.agree(attempt(rest) if self.rank == 0 else None, "writing the checkpoint")
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # never a partial checkpoint left behind
+            raise
         return path
 
     def _resume(self) -> None:
@@ -424,10 +456,11 @@ class Trainer:
     def validate(self, full: bool = True) -> dict[str, float]:
         batches = self.val_batches(full)
         steps = filler = None
+        aux = self.head.aux_layers
         if self.strategy == "deepspeed" and self.tc.zero_stage == 3 and batches:  # equal forward counts
-            steps, filler = math.ceil(len(batches) / self.world), Collate(self.val_store)(batches[0])
-        m = evaluate(self.head, self.frozen, loader(self.val_store, batches[self.rank::self.world]), self.tc.depth,
-                     self.tc.loss, self.device, self.autocast, steps=steps, filler=filler)
+            steps, filler = math.ceil(len(batches) / self.world), Collate(self.val_store, aux)(batches[0])
+        m = evaluate(self.head, self.frozen, loader(self.val_store, batches[self.rank::self.world], aux=aux),
+                     self.tc.depth, self.tc.loss, self.device, self.autocast, steps=steps, filler=filler)
         self.log.log({f"val/{k}": v for k, v in m.items()}, self.step,
                      console=f"val step {self.step}: {format_eval(m, self.tc.depth)}")
         return m
@@ -438,7 +471,7 @@ class Trainer:
         while True:
             batches = rank_batches(self.train_store.lengths, tc.micro_batch, self.seed, self.epoch,
                                    self.rank, self.world, tc.grad_accum, tc.bucket)
-            for batch in loader(self.train_store, batches[self.consumed:], tc.num_workers):
+            for batch in loader(self.train_store, batches[self.consumed:], tc.num_workers, self.head.aux_layers):
                 self.consumed += 1
                 yield batch
             self.epoch, self.consumed = self.epoch + 1, 0
@@ -462,7 +495,7 @@ class Trainer:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             with self.engine.forward_context():
                 with self.autocast():
-                    outs = self.engine.forward(self.frozen.embed, batch["hidden"], batch["input_ids"],
+                    outs = self.engine.forward(self.frozen.embed, head_inputs(batch), batch["input_ids"],
                                                batch["lengths"], tc.depth)
                 loss, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
                                     self.frozen.lm_head_weight, tc.loss, norm=norm, draft=draft)

@@ -1,0 +1,178 @@
+"""The EAGLE-3 exports of an `eagle3` head, and loaders of ours that read them back the way each engine does.
+
+Two directories (`format=eagle3`):
+
+* `eagle3/`: the layout SpecForge writes and both engines read natively: `fc.weight`, `midlayer.*` (with
+  `hidden_norm`), `norm.weight`, `lm_head.weight` [N, H], `d2t` (int64 [N], target id = draft id +
+  d2t[draft id]), `t2d` (bool [V]); `config.json` a one-layer Llama config with `architectures:
+  [LlamaForCausalLMEagle3]`, `draft_vocab_size`, `target_hidden_size`, and the aux layers in both engines'
+  conventions:
+    - vLLM (`llama_eagle3.py`, the target's `aux_hidden_state_layers`) reads the top-level
+      `eagle_aux_hidden_state_layer_ids` and captures the residual *entering* layer i: transformers'
+      `hidden_states[i]`, our `head.aux_layers` as they are;
+    - SGLang (`model_runner`, `set_eagle3_layers_to_capture`) reads `eagle_config.eagle_aux_hidden_state_layer_ids`
+      and adds one before capturing before that layer: its id j is the *output* of layer j, `hidden_states[j + 1]`,
+      so it is written as aux - 1.
+* `eagle3-speculators/`: vLLM's speculators format (`speculators_model_type: eagle3`): the layer under
+  `layers.0.*` (what the speculators converter writes; vLLM reads both), `transformer_layer_config`,
+  `speculators_config` naming the verifier, the top-level aux ids (vLLM's convention), and
+  `norm_before_residual` written explicitly: vLLM's speculators path takes it as true when it is absent, while
+  this head (as SpecForge's and SGLang's) adds the un-normalised `g` to the attention output.
+
+`read_engine` reads a directory as one engine does (the ids in its convention, `d2t` as offsets, the residual
+per `norm_before_residual` with the engine's default) into a `DraftHead`; `check_engine_round_trip` runs it
+and the trained head on the same target hidden states (every layer's, so a shifted layer id reads another
+one) and compares the logits over the whole target vocabulary (so a wrong `d2t` puts them on other ids).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mtp_train.model.frozen import read_tensors
+from mtp_train.model.head import DraftHead, HeadConfig, additive_mask, eagle3_layer_config
+
+EAGLE3, EAGLE3_SPECULATORS = "eagle3", "eagle3-speculators"
+ENGINES = {EAGLE3: ("vllm", "sglang"), EAGLE3_SPECULATORS: ("vllm",)}
+HEAD_KEYS = ("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
+SPECULATIVE_TOKENS = 3  # speculators_config's default proposal (vLLM's `num_speculative_tokens` overrides it)
+
+
+def layer_fields(layer_config) -> dict:
+    """The one-layer Llama config both layouts describe the head's layer with."""
+    c = layer_config.to_dict()
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "attention_bias",
+            "mlp_bias")
+    rope = c.get("rope_parameters") or {}
+    return {"model_type": "llama", **{k: c[k] for k in keep if k in c}, "num_hidden_layers": 1,
+            "vocab_size": c["vocab_size"], "rope_theta": rope.get("rope_theta"), "tie_word_embeddings": False}
+
+
+def configs(head: DraftHead, target_config: dict, target_path: str, dtype: str) -> dict[str, dict]:
+    """config.json of each directory."""
+    layer = layer_fields(head.config)
+    aux = list(head.aux_layers)
+    common = {"draft_vocab_size": head.cfg.draft_vocab, "target_hidden_size": target_config["hidden_size"],
+              "norm_before_residual": head.cfg.norm_before_residual}
+    native = {**layer, "architectures": ["LlamaForCausalLMEagle3"], **common, "torch_dtype": dtype,
+              "eagle_aux_hidden_state_layer_ids": aux,  # vLLM: the residual entering layer i
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],  # SGLang: output of i-1
+                               "use_aux_hidden_state": True}}
+    speculators = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                   "speculators_version": "0.1.0", **common, "eagle_aux_hidden_state_layer_ids": aux,
+                   "torch_dtype": dtype, "transformer_layer_config": {**layer, "torch_dtype": dtype},
+                   "speculators_config": {
+                       "algorithm": "eagle3", "default_proposal_method": "greedy",
+                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS,
+                                             "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                       "verifier": {"name_or_path": target_path,
+                                    "architectures": target_config.get("architectures", [])}}}
+    return {EAGLE3: native, EAGLE3_SPECULATORS: speculators}
+
+
+def tensors_for(name: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The head's state dict under the directory's keys."""
+    if name == EAGLE3:
+        return dict(state)
+    return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
+
+
+def write(out: Path, name: str, state: dict[str, torch.Tensor], config: dict, dtype: torch.dtype) -> None:
+    from mtp_train.export.write import WEIGHTS, save_weights
+    from mtp_train.files import write_json
+
+    save_weights({k: v if k in ("d2t", "t2d") else v.to(dtype) for k, v in tensors_for(name, state).items()},
+                 out / WEIGHTS)
+    write_json(out / "config.json", config)
+
+
+# -- reading an export as an engine does -------------------------------------------------------------------
+def read_engine(out: Path, engine: str, target_config) -> DraftHead:
+    """The head of an EAGLE-3 directory as `engine` (vllm / sglang) reads it, in fp32: its aux layers as
+    transformers' hidden_states indices, draft ids mapped by d2t as offsets, the residual per
+    norm_before_residual (vLLM's speculators path: true when absent; its native path and SGLang: false)."""
+    from mtp_train.export.write import WEIGHTS
+
+    config = json.loads((out / "config.json").read_text())
+    speculators = "speculators_model_type" in config
+    if engine == "sglang":
+        if speculators:
+            raise ValueError(f"{out}: SGLang does not read the speculators format")
+        ids = [j + 1 for j in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        norm_first = False  # SGLang's layer has no such option
+    else:
+        ids = list(config["eagle_aux_hidden_state_layer_ids"])
+        norm_first = bool(config.get("norm_before_residual", True if speculators else False))
+    layer = config["transformer_layer_config"] if speculators else config
+    from safetensors import safe_open
+
+    with safe_open(str(out / WEIGHTS), framework="pt") as f:
+        keys = list(f.keys())
+    tensors = read_tensors(out, keys)
+    state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    unknown = [k for k in state if not k.startswith(HEAD_KEYS)]
+    if unknown:
+        raise ValueError(f"{out}: tensors {unknown[:3]} are not part of an EAGLE-3 head ({engine} would drop them)")
+    n = int(config["draft_vocab_size"])
+    cfg = HeadConfig(variant="eagle3", draft_vocab=n, aux_layers=ids, norm_before_residual=norm_first)
+    head = DraftHead(target_config, cfg)
+    built = layer_fields(eagle3_layer_config(target_config, cfg))
+    wrong = {k: (layer.get(k), v) for k, v in built.items()
+             if k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "rms_norm_eps", "rope_theta") and layer.get(k) != v}
+    if wrong:
+        raise ValueError(f"{out}/config.json describes another layer than the head's: "
+                         + ", ".join(f"{k} {a} (the head: {b})" for k, (a, b) in wrong.items()))
+    d2t = state.pop("d2t").long()
+    t2d = state.pop("t2d", None)
+    target_ids = d2t + torch.arange(n)  # both engines: target id = draft id + d2t[draft id]
+    if int(target_ids.min()) < 0 or int(target_ids.max()) >= target_config.vocab_size:
+        raise ValueError(f"{out}: d2t maps draft ids outside the target's vocabulary (d2t must hold offsets)")
+    head.set_draft_vocab(target_ids)
+    if t2d is not None and not torch.equal(t2d.bool(), head.t2d):
+        raise ValueError(f"{out}: t2d does not mark the target ids d2t maps to")
+    try:
+        head.load_state_dict({**state, "d2t": head.d2t, "t2d": head.t2d})
+    except RuntimeError as e:
+        raise ValueError(f"{out} does not hold an eagle3 head of this shape: {' '.join(str(e).split())}") from None
+    return head.float().eval().requires_grad_(False)
+
+
+def engine_logits(head: DraftHead, target_hidden: list[torch.Tensor], embeds: torch.Tensor) -> torch.Tensor:
+    """Logits over the whole target vocabulary [T, V] (-inf outside the draft vocabulary) of the head's first
+    step on target hidden states `target_hidden` (transformers' hidden_states: one [T, H] per index) and
+    token embeddings [T, H], as an engine computes them."""
+    features = torch.cat([target_hidden[i] for i in head.aux_layers], dim=-1)[None]
+    T = embeds.shape[0]
+    mask = additive_mask(torch.ones(T, T, dtype=torch.bool).tril()[None, None], torch.float32)
+    with torch.no_grad():
+        z = head(embeds[None], head.fuse(features), torch.arange(1, T + 1)[None], mask)
+        draft = head.readout(z)[0] @ head.lm_head.weight.T
+    out = torch.full((T, head.t2d.shape[0]), float("-inf"))
+    out[:, head.draft_ids] = draft
+    return out
+
+
+def check_engine_round_trip(reference: DraftHead, out: Path, name: str, target_config, tokens: int = 8) -> None:
+    """Each engine's reading of `out` gives the trained head's logits exactly (fp32 on both sides; `reference`
+    holds the trained weights rounded to the export dtype), on fixed random inputs."""
+    g = torch.Generator().manual_seed(0)
+    H, L = reference.hidden_size, target_config.num_hidden_layers
+    target_hidden = list(torch.randn(L + 1, tokens, H, generator=g))
+    embeds = torch.randn(tokens, H, generator=g)
+    want = engine_logits(reference.float(), target_hidden, embeds)
+    for engine in ENGINES[name]:
+        try:
+            back = read_engine(out, engine, target_config)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"the {name} export in {out} cannot be read as {engine} reads it: {e}") from None
+        got = engine_logits(back, target_hidden, embeds)
+        if not torch.equal(got, want):
+            differ = (got != want).any(-1).sum().item()
+            raise ValueError(f"the {name} export in {out}, read as {engine} reads it, does not reproduce the trained "
+                             f"head: logits differ at {differ} of {tokens} positions (aux layer ids, d2t or the "
+                             "residual's norm placement)")

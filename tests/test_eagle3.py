@@ -1,0 +1,336 @@
+"""The eagle3 head (EAGLE-3): its layout for a Llama-3.1-8B-shaped target, the unrolled training forward against
+the step-by-step drafter, the loss and the gradient of its own lm_head against a direct computation, the
+settings it refuses, training and an exact resume on a store with the aux layers, and speculative decoding on
+the tiny target: the drafter computes what the training forward does, and greedy output is the target's."""
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaConfig
+
+from mtp_train.config import compose
+from mtp_train.inference import SamplingConfig, SpeculativeDecoder, generate, load_runner
+from mtp_train.model.head import DraftHead, HeadConfig, unrolled
+from mtp_train.model.target import TargetConfig
+from mtp_train.train import checkpoint as ckpt
+from mtp_train.train.loss import distill_ce
+from mtp_train.train.trainer import Trainer
+from test_head import CONFIGS, H, stepwise
+from windows import code_windows, layer_inputs
+
+AUX = [1, 2, 3]  # of the tiny target's 4 layers (the default 2, L//2, L-3 repeats a layer there)
+DRAFT_VOCAB = 1024
+T = 48
+
+
+def test_layout_for_a_llama_3_1_8b_shaped_target():
+    """fc 3·4096 -> 4096 without bias; q, k, v read 2·4096; the aux layers default to (2, L//2, L-3); its own
+    lm_head over the draft vocabulary; d2t / t2d as buffers."""
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                         num_hidden_layers=32, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072)
+    with torch.device("meta"):
+        head = DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=32000))
+    assert head.aux_layers == [2, 16, 29]
+    shapes = {n: tuple(p.shape) for n, p in head.named_parameters()}
+    a = "midlayer.self_attn."
+    assert shapes == {
+        "fc.weight": (4096, 3 * 4096),
+        f"{a}q_proj.weight": (4096, 8192), f"{a}k_proj.weight": (1024, 8192), f"{a}v_proj.weight": (1024, 8192),
+        f"{a}o_proj.weight": (4096, 4096),
+        "midlayer.mlp.gate_proj.weight": (14336, 4096), "midlayer.mlp.up_proj.weight": (14336, 4096),
+        "midlayer.mlp.down_proj.weight": (4096, 14336),
+        "midlayer.input_layernorm.weight": (4096,), "midlayer.hidden_norm.weight": (4096,),
+        "midlayer.post_attention_layernorm.weight": (4096,), "norm.weight": (4096,), "lm_head.weight": (32000, 4096)}
+    assert sum(p.numel() for p in head.parameters()) == (3 * 4096 * 4096 + 8192 * (4096 + 2 * 1024) + 4096 * 4096
+                                                         + 3 * 14336 * 4096 + 4 * 4096 + 32000 * 4096)
+    assert {n: tuple(b.shape) for n, b in head.named_buffers() if n in ("d2t", "t2d")} == {"d2t": (32000,),
+                                                                                          "t2d": (128256,)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v2"])
+def test_unrolled_equals_stepwise_drafter(family):
+    """The training-time test at depth 3: for every anchor and depth, the unrolled forward's output equals
+    what the drafter computes step by step with its KV cache (the chain fed the layer's pre-norm output)."""
+    torch.manual_seed(1)
+    head = DraftHead(CONFIGS[family], HeadConfig(variant="eagle3", draft_vocab=50, aux_layers=[0, 1])).eval()
+    assert head.fc.in_features == 2 * H and head.layer.self_attn.q_proj.in_features == 2 * H
+    embed = torch.nn.Embedding(101, H)
+    W = torch.randn(50, H)
+    aux, ids, lengths = torch.randn(2, 8, 2 * H), torch.randint(0, 101, (2, 8)), torch.tensor([8, 5])
+    with torch.no_grad():
+        outs = unrolled(head, embed, aux, ids, lengths, 3)
+        checked = 0
+        for b in range(2):
+            for (a, j), h in stepwise(head, embed, aux[b], ids[b], int(lengths[b]), 3).items():
+                torch.testing.assert_close(outs[j][b, a] @ W.T, h @ W.T, atol=1e-4, rtol=1e-4)
+                checked += 1
+    assert checked == (7 + 6 + 5) + (4 + 3 + 2)
+
+
+def direct(x, y, W, Wd, ids, weight, temperature):
+    t = y @ W.T
+    inside = torch.isin(t.argmax(-1), ids)
+    p_sub = torch.softmax(t[:, ids] / temperature, -1)
+    log_q = torch.log_softmax(x @ Wd.T, -1)
+    return -(weight * inside * (p_sub * log_q).sum(-1)).sum()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_loss_and_its_own_lm_head_gradient_equal_direct(chunk):
+    """With its own lm_head Wd, q = softmax(Wd x) and p the target renormalised over the draft vocabulary (from
+    W's rows, not Wd's); the chunked loss gives the direct computation's loss and gradients for x and Wd."""
+    torch.manual_seed(0)
+    N, Hd, V = 53, 16, 97
+    W, y, weight = torch.randn(V, Hd), torch.randn(N, Hd), torch.rand(N)
+    ids = torch.randperm(V)[:40].sort().values
+    x1 = torch.randn(N, Hd, requires_grad=True)
+    Wd1 = (W[ids] + 0.3 * torch.randn(40, Hd)).requires_grad_(True)
+    x2, Wd2 = x1.detach().clone().requires_grad_(True), Wd1.detach().clone().requires_grad_(True)
+    loss, _ = distill_ce(x1, y, W, weight, 0.7, chunk, Wd1, ids, Wt=W[ids])
+    ref = direct(x2, y, W, Wd2, ids, weight, 0.7)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    (1.5 * loss).backward()
+    (1.5 * ref).backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(Wd1.grad, Wd2.grad, rtol=1e-4, atol=1e-6)
+    assert Wd1.grad.abs().sum() > 0
+
+
+def test_settings_it_refuses(tiny_dir):
+    config = AutoConfig.from_pretrained(tiny_dir / "target")
+    with pytest.raises(ValueError, match="eagle3 trains its own lm_head over a draft vocabulary: set head.draft_vocab"):
+        HeadConfig(variant="eagle3")
+    with pytest.raises(ValueError, match=r"head.aux_layers=\[1, 2\] is for head.variant=eagle3"):
+        HeadConfig(aux_layers=[1, 2])
+    with pytest.raises(ValueError, match=r"the default \(2, L//2, L-3\) = \[2, 2, 1\]: expected ascending, distinct "
+                                         r"layer indices in 0..3 for a target of 4 layers; set head.aux_layers"):
+        DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64))
+    with pytest.raises(ValueError, match=r"head.aux_layers=\[1, 4\]"):
+        DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=[1, 4]))
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_dir):
+    """64 windows of stdlib code with the tiny target's final hidden states and the aux layers' inputs."""
+    target = tiny_dir / "target"
+    ids, hidden = code_windows(target, slice(0, 40), T)
+    aux = layer_inputs(target, ids, AUX)
+    out = []
+    for i in range(len(ids)):
+        n = T - (i % 5) * 3
+        mask = torch.ones(n, dtype=torch.int8)
+        mask[:8] = 0
+        out.append({"hidden": hidden[i, :n].clone(), "input_ids": ids[i, :n].clone(), "loss_mask": mask,
+                    "layers": aux[i, :, :n].clone()})
+    return out
+
+
+def eagle3(run_dir, *overrides):
+    return compose("tiny", [f"run_dir={run_dir}", "head.variant=eagle3", f"head.draft_vocab={DRAFT_VOCAB}",
+                            f"head.aux_layers=[{','.join(map(str, AUX))}]", "train.loss.w_feat=0", "train.depth=3",
+                            "train.micro_batch=8", "train.warmup_steps=2", "train.eval_every=0", "train.log_every=1",
+                            "train.lr=3e-3", *overrides])
+
+
+def store(run_dir, samples, tiny_dir, layers=True):
+    from mtp_train.store.format import identity_for, write_split
+
+    identity = identity_for(tiny_dir / "target")
+    keep = (lambda s: s) if layers else (lambda s: {k: v for k, v in s.items() if k != "layers"})
+    for split, part in (("train", samples[:48]), ("val", samples[48:])):
+        write_split(run_dir / "store" / split, [keep(s) for s in part], identity=identity,
+                    layers=AUX if layers else ())
+    return run_dir
+
+
+def test_a_store_without_the_aux_layers_is_refused(tmp_path, samples, tiny_dir):
+    store(tmp_path, samples, tiny_dir, layers=False)
+    with pytest.raises(ValueError, match=r"holds layers \[\], not \[1, 2, 3\], which the head reads: precompute with "
+                                         r"store.layers=\[1, 2, 3\]"):
+        Trainer(eagle3(tmp_path, "train.steps=2"))
+    with pytest.raises(ValueError, match="an eagle3 head is trained on the distribution alone"):
+        Trainer(eagle3(tmp_path, "train.steps=2", "train.loss.w_feat=0.1"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, samples, tiny_dir):
+    run_dir = store(tmp_path_factory.mktemp("eagle3"), samples, tiny_dir)
+    trainer = Trainer(eagle3(run_dir, "train.steps=40", "train.save_every=20"))
+    first = trainer.validate()
+    trainer.fit()
+    return run_dir, first, trainer.validate()
+
+
+def test_training_learns_and_the_lm_head_moves(trained, tiny_dir):
+    run_dir, before, after = trained
+    assert after["d1/acc"] > before["d1/acc"] + 0.1 and after["d1/ce"] < before["d1/ce"]
+    head = ckpt.load_head_state(run_dir / "checkpoints" / "step-000040")
+    from mtp_train.model.frozen import FrozenTarget
+
+    frozen = FrozenTarget.from_pretrained(tiny_dir / "target")
+    ids = head["d2t"] + torch.arange(DRAFT_VOCAB)
+    start = frozen.lm_head_weight.index_select(0, ids)
+    assert not torch.equal(head["lm_head.weight"], start)  # trained, from W's rows
+    assert (head["lm_head.weight"] - start).norm() < 0.5 * start.norm()
+
+
+def test_resume_is_exact(trained, samples, tiny_dir, tmp_path, monkeypatch):
+    """Killed after its step-20 checkpoint and resumed: the same weights at step 40 as the uninterrupted run."""
+    run_dir, _, _ = trained
+    other = store(tmp_path, samples, tiny_dir)
+    real = Trainer.train_step
+
+    def dying(self, micro):
+        if self.step == 25:
+            raise KeyboardInterrupt
+        return real(self, micro)
+
+    monkeypatch.setattr(Trainer, "train_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(eagle3(other, "train.steps=40", "train.save_every=20")).fit()
+    monkeypatch.setattr(Trainer, "train_step", real)
+    Trainer(eagle3(other, "train.steps=40", "train.save_every=20", "resume=true")).fit()
+    a = ckpt.load_head_state(run_dir / "checkpoints" / "step-000040")
+    b = ckpt.load_head_state(other / "checkpoints" / "step-000040")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_dir):
+    return load_runner(str(tiny_dir / "target"), TargetConfig(path=str(tiny_dir / "target"), device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def drafter(trained, runner, tiny_run_config):
+    from mtp_train.inference.load import load_head
+
+    run_dir, _, _ = trained
+    d = load_head(tiny_run_config(run_dir), runner)[0]  # the head as its checkpoint describes it
+    assert d.feature_layers == AUX
+    return d
+
+
+def test_drafter_computes_what_the_training_forward_does(drafter, runner, samples):
+    """Draft 1 and 2's q equal the unrolled forward's at the same anchor, fed the aux layers' states that the
+    runner catches during decoding (transformers' hidden_states[i], as precompute stores them)."""
+    prompt = samples[50]["input_ids"][:20].tolist()
+    dec = SpeculativeDecoder(runner, [prompt], drafter=drafter, k=2, max_new_tokens=8)
+    proposal = drafter.propose(dec.seqs, dec.features, 2, SamplingConfig(temperature=1.0),
+                               torch.Generator().manual_seed(0))
+    seq, P = dec.seqs[0], len(prompt)
+    d1 = int(proposal.tokens[0, 0])
+    with torch.no_grad():
+        states = runner.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    aux = torch.cat([states[i][0] for i in AUX], dim=-1)  # [P + 1, 3H]
+    torch.testing.assert_close(dec.features.hidden[0], aux[:P], atol=1e-4, rtol=1e-4)  # what the runner caught
+    ids = torch.tensor([seq + [d1]])
+    h = torch.cat([aux, torch.zeros(1, aux.shape[-1])])[None]
+    outs = unrolled(drafter.head, runner.model.get_input_embeddings(), h, ids, torch.tensor([P + 2]), depth=2)
+    draft = drafter.head.draft_lm_head(runner.lm_head.weight)
+    for j in range(2):
+        q = torch.zeros(runner.vocab_size)
+        q[draft.ids] = torch.softmax(draft.logits(outs[j][0, P - 1]).float(), -1)
+        torch.testing.assert_close(proposal.probs[0, j], q, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculative_output_is_the_targets(drafter, runner, samples, k):
+    prompts = [samples[i]["input_ids"][:n].tolist() for i, n in zip(range(48, 56), (5, 9, 14, 20, 26, 31, 37, 44))]
+    reference = [generate(runner, [p], max_new_tokens=24).tokens[0] for p in prompts]
+    out = generate(runner, prompts, drafter=drafter, k=k, max_new_tokens=24)
+    assert out.tokens == reference
+    s = out.stats  # the trained head drafts (not one that is always rejected): measured 21 of 155 kept at k = 1
+    assert s.accepted[0] >= 0.1 * s.drafted[0] and s.tau > 1.1
+
+
+# -- exports -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def exported(trained, tiny_run_config):
+    from mtp_train.export import run as export
+
+    run_dir, _, _ = trained
+    cfg = tiny_run_config(run_dir, "export.dtype=fp32")
+    return cfg, export(cfg)
+
+
+def test_exports_in_both_engines_layouts(exported, tiny_dir):
+    """eagle3/: SpecForge's keys, the aux ids in vLLM's (top level) and SGLang's (nested, one less) conventions;
+    eagle3-speculators/: layers.0.*, norm_before_residual written as false, the verifier named; d2t offsets."""
+    import json
+
+    from safetensors.torch import load_file
+
+    cfg, paths = exported
+    assert [p.name for p in paths] == ["eagle3", "eagle3-speculators"]
+    native, spec = (json.loads((p / "config.json").read_text()) for p in paths)
+    assert native["architectures"] == ["LlamaForCausalLMEagle3"] and native["num_hidden_layers"] == 1
+    assert native["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert native["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]
+    assert native["draft_vocab_size"] == DRAFT_VOCAB and native["target_hidden_size"] == 256
+    assert native["norm_before_residual"] is False and spec["norm_before_residual"] is False
+    assert spec["speculators_model_type"] == "eagle3" and spec["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert spec["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == str((tiny_dir / "target").resolve())
+    a, b = (load_file(str(p / "model.safetensors")) for p in paths)
+    assert set(a) == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+        f"midlayer.{k}" for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                  "mlp.down_proj.weight", "input_layernorm.weight", "hidden_norm.weight",
+                                  "post_attention_layernorm.weight")}
+    assert {k.replace("layers.0.", "midlayer.") for k in b} == set(a)
+    assert a["d2t"].dtype == torch.int64 and a["t2d"].dtype == torch.bool and int(a["t2d"].sum()) == DRAFT_VOCAB
+    ids = a["d2t"] + torch.arange(DRAFT_VOCAB)
+    assert bool((ids[1:] > ids[:-1]).all()) and bool(a["t2d"][ids].all())
+    card = (paths[0] / "README.md").read_text()
+    assert "--speculative-algorithm EAGLE3" in card and '"method": "eagle3"' in card
+
+
+def _mutated(src, tmp_path, edit_config=None, edit_tensors=None):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / src.name
+    shutil.copytree(src, out)
+    if edit_config:
+        config = json.loads((out / "config.json").read_text())
+        edit_config(config)
+        (out / "config.json").write_text(json.dumps(config))
+    if edit_tensors:
+        tensors = load_file(str(out / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def _shift(config, nested=False):
+    if nested:
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = AUX  # SGLang then reads AUX + 1
+    else:
+        config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in AUX]
+
+
+MISTAKES = {
+    "ids shifted for vLLM": ("eagle3", lambda c: _shift(c), None),
+    "ids shifted for SGLang": ("eagle3", lambda c: _shift(c, nested=True), None),
+    "d2t absolute": ("eagle3", None, lambda t: t.update(d2t=t["d2t"] + torch.arange(DRAFT_VOCAB))),
+    "norm_before_residual true": ("eagle3-speculators", lambda c: c.update(norm_before_residual=True), None),
+    "norm_before_residual left out": ("eagle3-speculators", lambda c: c.pop("norm_before_residual"), None),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_the_classic_mistakes_are_caught(exported, tiny_dir, tmp_path, mistake):
+    """The exports pass each engine's reading; each classic train/serve mismatch, planted in a copy, fails it."""
+    from mtp_train.export.eagle3 import check_engine_round_trip
+    from mtp_train.train.checkpoint import read_head
+
+    cfg, paths = exported
+    head, _ = read_head(cfg)
+    config = AutoConfig.from_pretrained(tiny_dir / "target")
+    for p in paths:
+        check_engine_round_trip(head, p, p.name, config)
+    name, edit_config, edit_tensors = MISTAKES[mistake]
+    bad = _mutated(paths[0] if name == "eagle3" else paths[1], tmp_path, edit_config, edit_tensors)
+    with pytest.raises(ValueError, match=rf"the {name} export in {bad}"):
+        check_engine_round_trip(head, bad, name, config)
