@@ -284,6 +284,21 @@ def test_exports_in_both_engines_layouts(exported, tiny_dir):
     assert "--speculative-algorithm EAGLE3" in card and '"method": "eagle3"' in card
 
 
+def test_a_bf16_export_reads_back_exactly(trained, tiny_run_config, tmp_path):
+    """In the tiny target's own dtype (bf16): the trained weights rounded once, each engine's reading equal to
+    them bit for bit (rotary frequencies included: both sides round the head the same way)."""
+    import shutil
+
+    from mtp_train.export import run as export
+
+    run_dir, _, _ = trained
+    shutil.copytree(run_dir / "checkpoints", tmp_path / "checkpoints")
+    paths = export(tiny_run_config(tmp_path))
+    from safetensors.torch import load_file
+
+    assert load_file(str(paths[0] / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+
+
 def _mutated(src, tmp_path, edit_config=None, edit_tensors=None):
     import json
     import shutil

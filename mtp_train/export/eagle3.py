@@ -92,7 +92,7 @@ def write(out: Path, name: str, state: dict[str, torch.Tensor], config: dict, dt
 
 # -- reading an export as an engine does -------------------------------------------------------------------
 def read_engine(out: Path, engine: str, target_config) -> DraftHead:
-    """The head of an EAGLE-3 directory as `engine` (vllm / sglang) reads it, in fp32: its aux layers as
+    """The head of an EAGLE-3 directory as `engine` (vllm / sglang) reads it, in its dtype: its aux layers as
     transformers' hidden_states indices, draft ids mapped by d2t as offsets, the residual per
     norm_before_residual (vLLM's speculators path: true when absent; its native path and SGLang: false)."""
     from mtp_train.export.write import WEIGHTS
@@ -139,7 +139,8 @@ def read_engine(out: Path, engine: str, target_config) -> DraftHead:
         head.load_state_dict({**state, "d2t": head.d2t, "t2d": head.t2d})
     except RuntimeError as e:
         raise ValueError(f"{out} does not hold an eagle3 head of this shape: {' '.join(str(e).split())}") from None
-    return head.float().eval().requires_grad_(False)
+    # in the exported dtype, as `write.read_back` returns heads (the comparison runs both sides in fp32)
+    return head.to(state["fc.weight"].dtype).eval().requires_grad_(False)
 
 
 def engine_logits(head: DraftHead, target_hidden: list[torch.Tensor], embeds: torch.Tensor) -> torch.Tensor:
@@ -170,7 +171,7 @@ def check_engine_round_trip(reference: DraftHead, out: Path, name: str, target_c
             back = read_engine(out, engine, target_config)
         except (KeyError, ValueError) as e:
             raise ValueError(f"the {name} export in {out} cannot be read as {engine} reads it: {e}") from None
-        got = engine_logits(back, target_hidden, embeds)
+        got = engine_logits(back.float(), target_hidden, embeds)
         if not torch.equal(got, want):
             differ = (got != want).any(-1).sum().item()
             raise ValueError(f"the {name} export in {out}, read as {engine} reads it, does not reproduce the trained "
