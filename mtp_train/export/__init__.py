@@ -143,16 +143,9 @@ def _jobs(fmt: str, state: dict, target_dir: Path, target_config: dict, dtype: s
         from mtp_train.export import eagle3
 
         made = eagle3.configs(head, target_config, str(target_dir.resolve()), dtype)
-        jobs = []
-        for name in (eagle3.EAGLE3, eagle3.EAGLE3_SPECULATORS):
-            keys = eagle3.tensors_for(name, state)
-            layout = layouts.Layout(name, {k: k for k in ("fc.", "norm.", "lm_head.", "d2t", "t2d")}
-                                    | ({"midlayer.": "midlayer."} if name == eagle3.EAGLE3 else {"midlayer.": "layers.0."}),
-                                    config=made[name])
-            assert set(layout.to_export(state)) == set(keys)
-            jobs.append((name, layout, lambda tmp, name=name: eagle3.write(tmp, name, state, made[name],
-                                                                           getattr(torch, dtype)), True))
-        return jobs
+        return [(name, eagle3.layout(name, made[name]),
+                 lambda tmp, name=name: eagle3.write(tmp, name, state, made[name], getattr(torch, dtype)), True)
+                for name in (eagle3.EAGLE3, eagle3.EAGLE3_SPECULATORS)]
     layout = layouts.nextn(target_config)
     shared = read_tensors(target_dir, sorted(set(layout.target_tensors.values())))
     embed = shared["model.embed_tokens.weight"]

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from mtp_train.export.layouts import Layout
 from mtp_train.model.frozen import read_tensors
 from mtp_train.model.head import DraftHead, HeadConfig, additive_mask, eagle3_layer_config
 
@@ -74,18 +75,17 @@ def configs(head: DraftHead, target_config: dict, target_path: str, dtype: str) 
     return {EAGLE3: native, EAGLE3_SPECULATORS: speculators}
 
 
-def tensors_for(name: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The head's state dict under the directory's keys."""
-    if name == EAGLE3:
-        return dict(state)
-    return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
+def layout(name: str, config: dict | None = None) -> Layout:
+    """The directory's key names: the head's own, with the layer under `layers.0.` in the speculators format."""
+    layer = "midlayer." if name == EAGLE3 else "layers.0."
+    return Layout(name, {**{k: k for k in HEAD_KEYS if k != "midlayer."}, "midlayer.": layer}, config=config or {})
 
 
 def write(out: Path, name: str, state: dict[str, torch.Tensor], config: dict, dtype: torch.dtype) -> None:
     from mtp_train.export.write import WEIGHTS, save_weights
     from mtp_train.files import write_json
 
-    save_weights({k: v if k in ("d2t", "t2d") else v.to(dtype) for k, v in tensors_for(name, state).items()},
+    save_weights({k: v if k in ("d2t", "t2d") else v.to(dtype) for k, v in layout(name).to_export(state).items()},
                  out / WEIGHTS)
     write_json(out / "config.json", config)
 
@@ -112,11 +112,10 @@ def read_engine(out: Path, engine: str, target_config) -> DraftHead:
 
     with safe_open(str(out / WEIGHTS), framework="pt") as f:
         keys = list(f.keys())
-    tensors = read_tensors(out, keys)
-    state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
-    unknown = [k for k in state if not k.startswith(HEAD_KEYS)]
-    if unknown:
-        raise ValueError(f"{out}: tensors {unknown[:3]} are not part of an EAGLE-3 head ({engine} would drop them)")
+    try:
+        state = layout(EAGLE3_SPECULATORS if speculators else EAGLE3).to_head(read_tensors(out, keys))
+    except ValueError as e:
+        raise ValueError(f"{out}: {e}; they are not part of an EAGLE-3 head ({engine} would drop them)") from None
     n = int(config["draft_vocab_size"])
     cfg = HeadConfig(variant="eagle3", draft_vocab=n, aux_layers=ids, norm_before_residual=norm_first)
     head = DraftHead(target_config, cfg)
