@@ -9,8 +9,12 @@
 #      with the target in fp32 to tell bf16 near-tie flips from bugs (greedy_identical).
 #   3. benchmarks/decode_profile.py on that run in bf16: ms per speculative step against the target alone, greedy
 #      and sampled, and the ops that take the time (the attention backend among them).
+#   4. the EAGLE-3 pipeline (recipe tiny-eagle3) on the GPU in bf16.
+#   5. benchmarks/gpu_forward_time.py: a Llama-3.1-8B-shaped target's forward over n new tokens at batch b and
+#      context c, and a one-layer model beside it (the speed predictor's ground truth).
 #
 #   bash benchmarks/gpu_checks.sh [OUT_DIR]       # default: $OUT, else benchmarks/results/gpu
+#   CHECKS="forward_time eagle3_bf16" bash benchmarks/gpu_checks.sh   # only these steps, in the order given
 #
 # Missing pure-Python dependencies travel as wheels in .whl/ (hydra-core, omegaconf, antlr4-python3-runtime,
 # datasets, dill, multiprocess); they are installed into /tmp/site first when .whl/ exists. Every step has its
@@ -18,6 +22,9 @@
 set -u
 OUT_DIR=${1:-${OUT:-benchmarks/results/gpu}}
 mkdir -p "$OUT_DIR"
+ALL="train_step train_step_ac pipeline_bf16 decode_profile validate_fp32 eagle3_bf16 forward_time"
+CHECKS=${CHECKS:-$ALL}
+for c in $CHECKS; do case " $ALL " in *" $c "*) ;; *) echo "unknown check $c (known: $ALL)"; exit 2;; esac; done
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -43,20 +50,35 @@ $PY -c "import torch, transformers, datasets, omegaconf, hydra; print('torch', t
 torch.version.cuda, 'transformers', transformers.__version__, 'datasets', datasets.__version__)" 2>&1 \
   | tee -a "$OUT_DIR/log.txt"
 
-step train_step 120 $PY benchmarks/gpu_train_step.py
-[ -f benchmarks/results/gpu_train_step.json ] && cp benchmarks/results/gpu_train_step.json "$OUT_DIR/gpu_train_step.json"
-step train_step_ac 100 $PY benchmarks/gpu_train_step.py --activation-checkpointing --micro-batch 16 --steps 20
-[ -f benchmarks/results/gpu_train_step.json ] && cp benchmarks/results/gpu_train_step.json "$OUT_DIR/gpu_train_step_ac.json"
-
 RUN=/tmp/tiny-gpu
 GPU="target.device=cuda target.dtype=bfloat16 train.precision=bf16"
-step pipeline_bf16 260 $PY -m mtp_train.cli pipeline recipe=tiny run_dir=$RUN $GPU
-[ -f $RUN/validation/report.json ] && cp $RUN/validation/report.json "$OUT_DIR/tiny_report_bf16.json"
-step decode_profile 90 $PY benchmarks/decode_profile.py --run-dir $RUN --device cuda --dtype bfloat16 --prompts 6
-[ -f benchmarks/results/decode_profile-cuda-bfloat16.json ] && cp benchmarks/results/decode_profile-cuda-bfloat16.json "$OUT_DIR/"
-step validate_fp32 90 $PY -m mtp_train.cli validate recipe=tiny run_dir=$RUN target.device=cuda \
-  target.dtype=float32 train.precision=bf16
-[ -f $RUN/validation/report.json ] && cp $RUN/validation/report.json "$OUT_DIR/tiny_report_fp32.json"
-tar czf "$OUT_DIR/tiny_run.tgz" --exclude=store --exclude='checkpoints' -C /tmp tiny-gpu 2>/dev/null
+check() {  # check NAME: one step and the files it leaves
+  case $1 in
+  train_step)
+    step train_step 120 $PY benchmarks/gpu_train_step.py
+    [ -f benchmarks/results/gpu_train_step.json ] && cp benchmarks/results/gpu_train_step.json "$OUT_DIR/gpu_train_step.json";;
+  train_step_ac)
+    step train_step_ac 100 $PY benchmarks/gpu_train_step.py --activation-checkpointing --micro-batch 16 --steps 20
+    [ -f benchmarks/results/gpu_train_step.json ] && cp benchmarks/results/gpu_train_step.json "$OUT_DIR/gpu_train_step_ac.json";;
+  pipeline_bf16)
+    step pipeline_bf16 260 $PY -m mtp_train.cli pipeline recipe=tiny run_dir=$RUN $GPU
+    [ -f $RUN/validation/report.json ] && cp $RUN/validation/report.json "$OUT_DIR/tiny_report_bf16.json"
+    tar czf "$OUT_DIR/tiny_run.tgz" --exclude=store --exclude='checkpoints' -C /tmp tiny-gpu 2>/dev/null;;
+  decode_profile)
+    step decode_profile 90 $PY benchmarks/decode_profile.py --run-dir $RUN --device cuda --dtype bfloat16 --prompts 6
+    [ -f benchmarks/results/decode_profile-cuda-bfloat16.json ] && cp benchmarks/results/decode_profile-cuda-bfloat16.json "$OUT_DIR/";;
+  validate_fp32)
+    step validate_fp32 90 $PY -m mtp_train.cli validate recipe=tiny run_dir=$RUN target.device=cuda \
+      target.dtype=float32 train.precision=bf16
+    [ -f $RUN/validation/report.json ] && cp $RUN/validation/report.json "$OUT_DIR/tiny_report_fp32.json";;
+  eagle3_bf16)
+    step eagle3_bf16 220 $PY -m mtp_train.cli pipeline recipe=tiny-eagle3 run_dir=/tmp/tiny-eagle3-gpu $GPU
+    [ -f /tmp/tiny-eagle3-gpu/validation/report.json ] && cp /tmp/tiny-eagle3-gpu/validation/report.json "$OUT_DIR/tiny_eagle3_report_bf16.json";;
+  forward_time)
+    step forward_time 150 $PY benchmarks/gpu_forward_time.py
+    [ -f benchmarks/results/gpu_forward_time.json ] && cp benchmarks/results/gpu_forward_time.json "$OUT_DIR/";;
+  esac
+}
+for c in $CHECKS; do check $c; done
 echo "failures: $fails" | tee -a "$OUT_DIR/log.txt"
 exit $fails
