@@ -65,7 +65,7 @@ check() {  # check NAME: one step and the files it leaves
     [ -f $RUN/validation/report.json ] && cp $RUN/validation/report.json "$OUT_DIR/tiny_report_bf16.json"
     tar czf "$OUT_DIR/tiny_run.tgz" --exclude=store --exclude='checkpoints' -C /tmp tiny-gpu 2>/dev/null;;
   decode_profile)
-    step decode_profile 90 $PY benchmarks/decode_profile.py --run-dir $RUN --device cuda --dtype bfloat16 --prompts 6
+    step decode_profile 200 $PY benchmarks/decode_profile.py --run-dir $RUN --device cuda --dtype bfloat16 --prompts 6
     [ -f benchmarks/results/decode_profile-cuda-bfloat16.json ] && cp benchmarks/results/decode_profile-cuda-bfloat16.json "$OUT_DIR/";;
   validate_fp32)
     step validate_fp32 90 $PY -m mtp_train.cli validate recipe=tiny run_dir=$RUN target.device=cuda \
