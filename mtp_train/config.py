@@ -52,6 +52,12 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     resume: bool = False  # train: continue from run_dir/checkpoints/latest
 
+    def __post_init__(self) -> None:
+        if self.train.depth is None:  # the recipe left it to the head variant
+            from mtp_train.model.head import DEFAULT_DEPTH
+
+            self.train.depth = DEFAULT_DEPTH.get(self.head.variant, 1)
+
 
 class ConfigError(ValueError):
     """A recipe or override that cannot make a valid run config; the message says what and where."""

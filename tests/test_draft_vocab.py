@@ -342,7 +342,7 @@ def test_memory_estimate_counts_the_draft_vocabulary():
 
     big = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                       vocab_size=128256)
-    train = TrainConfig(micro_batch=4)
+    train = TrainConfig(micro_batch=4, depth=1)
     full = estimate_memory(big, train, 512, 1, "single", HeadConfig())
     small = estimate_memory(big, train, 512, 1, "single", HeadConfig(draft_vocab=32000))
     assert small.frozen - full.frozen == 32000 * 256 * 4

@@ -108,6 +108,19 @@ def test_settings_it_refuses(tiny_dir):
         DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=[1, 4]))
 
 
+def test_training_depth_defaults_to_the_variants(tmp_path):
+    def depth(recipe, *overrides):
+        return compose(recipe, [f"run_dir={tmp_path}", *overrides]).train.depth
+
+    e3 = ("head.variant=eagle3", "head.draft_vocab=64", "head.aux_layers=[1,2,3]")
+    assert depth("tiny") == 1 and depth("tiny", "head.variant=eagle1") == 1
+    assert depth("tiny", *e3) == 7  # EAGLE-3's training-time test, where the recipe leaves depth unset
+    assert depth("tiny", *e3, "train.depth=2") == 2  # a command line or recipe value wins
+    assert depth("smollm2-135m", "head.variant=eagle3") == 3  # that recipe sets depth 3
+    with pytest.raises(ValueError, match=r"train.depth=0: must be >= 1"):
+        compose("tiny", [f"run_dir={tmp_path}", "train.depth=0"])
+
+
 @pytest.fixture(scope="module")
 def samples(tiny_dir):
     """64 windows of stdlib code with the tiny target's final hidden states and the aux layers' inputs."""

@@ -56,6 +56,9 @@ from torch import nn
 from mtp_train.model.frozen import project
 
 VARIANTS = ("mtp", "eagle1", "eagle3")
+# train.depth when the recipe leaves it unset: EAGLE-3 trains with its training-time test, 7 steps deep; the others
+# train the single next-token step unless a recipe asks for more.
+DEFAULT_DEPTH = {"mtp": 1, "eagle1": 1, "eagle3": 7}
 DRAFT_VOCAB_BUFFERS = ("d2t", "t2d")  # in the head's state dict with a draft vocabulary (head.draft_vocab > 0)
 
 # model_type -> (modeling module, decoder layer, rotary embedding, RMSNorm). Named explicitly: a family is

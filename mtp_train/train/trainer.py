@@ -45,7 +45,8 @@ PRECISIONS = ("fp32", "bf16")
 
 @dataclass
 class TrainConfig:
-    depth: int = 1  # unrolled draft steps per anchor (1 = single-token MTP)
+    depth: int | None = None  # unrolled draft steps per anchor; unset: the head variant's default (model/head.py
+    #   DEFAULT_DEPTH: 7 for eagle3, its training-time test; 1, single-token MTP, for mtp and eagle1)
     seed: int | None = None  # head init and data order; None = the run's seed (which also shapes prepare)
     micro_batch: int = 8  # samples per rank per forward
     grad_accum: int = 1
@@ -74,7 +75,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("depth", "micro_batch", "grad_accum", "log_every", "bucket"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1")
         for name in ("steps", "warmup_steps", "eval_every", "eval_batches", "save_every", "num_workers"):
             if getattr(self, name) < 0:
