@@ -44,6 +44,8 @@ class ValidateConfig:
     drafters: list[str] = field(default_factory=lambda: list(DRAFTERS))  # draft only with target.draft_path
     batch_size: int = 1  # prompts decoded together (1 = the latency setting speculative decoding is for)
     plots: bool = True
+    predict: bool = True  # the speed model's prediction beside each measured head row, and on `serving_profile`
+    serving_profile: str = "H100-SXM"  # mtp_train/inference/predict.py PROFILES
 
     def __post_init__(self) -> None:
         for name in ("max_k", "max_new_tokens", "batch_size", "max_prompt_tokens"):
@@ -54,6 +56,10 @@ class ValidateConfig:
                 raise ValueError(f"validate.{name}={getattr(self, name)}: must be >= 0")
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise ValueError(f"validate.temperatures={list(self.temperatures)}: one or more values >= 0 (0 is greedy)")
+        from mtp_train.inference.predict import PROFILES
+
+        if self.serving_profile not in PROFILES:
+            raise ValueError(f"validate.serving_profile={self.serving_profile!r}: expected one of {', '.join(PROFILES)}")
         bad = [d for d in self.drafters if d not in DRAFTERS]
         if bad or not self.drafters:
             raise ValueError(f"validate.drafters={list(self.drafters)}: expected a non-empty subset of "
@@ -200,6 +206,10 @@ def format_table(report: dict) -> str:
             same = _identical(e)
             lines.append(f"  {e['drafter']:<8}{e['temperature']:>4g}{e['k']:>3}{e['tau']:>7.2f}  {acc:<30}"
                          f"{e['tokens_per_s']:>8.1f}{e['speedup']:>9.2f}x  {same}")
+    if report.get("prediction"):
+        from mtp_train.inference.predict import format_prediction
+
+        lines.append(format_prediction(report["prediction"]))
     return "\n".join(lines)
 
 
@@ -271,6 +281,17 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def _prediction(cfg: "RunConfig", target: CausalLMRunner, entries: list[dict], settings: dict) -> dict | None:
+    """The speed model (`inference/predict.py`) beside the measured head rows, on this machine's profile (the
+    `cpu` one measured now; on a GPU, its datasheet with our eager runner's overheads), and its serving table."""
+    from mtp_train.inference import predict
+
+    profile = predict.runner_profile(target.device, target.dtype)
+    context = settings["mean_prompt_tokens"] + cfg.validate.max_new_tokens / 2
+    return predict.validation_prediction(target.model.config, cfg.head, entries, context, profile,
+                                         target.dtype.itemsize, cfg.validate.batch_size, cfg.validate.serving_profile)
+
+
 def run(cfg: "RunConfig") -> dict:
     from mtp_train.inference.load import check_drafter, load_draft, load_head_module, stop_tokens
     from mtp_train.model.frozen import FrozenTarget
@@ -325,6 +346,8 @@ def run(cfg: "RunConfig") -> dict:
             "max_new_tokens": v.max_new_tokens, "batch_size": v.batch_size, "temperatures": list(v.temperatures),
             "device": str(target.device), "dtype": cfg.target.dtype, "torch_threads": torch.get_num_threads(),
             "machine": platform.machine(), "processor": platform.processor() or platform.machine()}
+        if v.predict and "head" in drafters:
+            report["prediction"] = _prediction(cfg, target, entries, report["decoding_settings"])
     report["config"] = asdict(v)
     report["seconds"] = time.perf_counter() - t0
     out_dir = Path(cfg.run_dir) / "validation"

@@ -39,6 +39,25 @@ def test_report_has_every_section(report):
     assert max(e["tau"] for e in head_greedy) > 1.1  # the trained head's drafts are accepted
 
 
+def test_report_predicts_the_speedups(report, validated_run):
+    """The speed model beside each measured head row (this machine's profile, measured when validating), and
+    its serving table on an H100 for b = 1..64, from the same taus."""
+    pred = report["prediction"]
+    assert pred["device"]["name"] == "cpu" and pred["device"]["bandwidth_gb_s"] > 0
+    heads = [e for e in report["decoding"] if e["drafter"] == "head"]
+    assert [(c["k"], c["temperature"], c["tau"], c["measured"]) for c in pred["checks"]] == \
+        [(e["k"], e["temperature"], e["tau"], e["speedup"]) for e in heads]
+    for c in pred["checks"]:
+        assert c["predicted"] > 0 and c["error"] == pytest.approx(c["predicted"] / c["measured"] - 1)
+    serving = pred["serving"]
+    assert serving["profile"]["name"] == "H100-SXM" and [r["batch"] for r in serving["table"]] == [1, 4, 16, 64]
+    for r in serving["table"]:
+        assert set(r["speedup_by_k"]) == {"1", "2"} or set(r["speedup_by_k"]) == {1, 2}
+        assert r["best_speedup"] == max(r["speedup_by_k"].values())
+    _, printed = validated_run
+    assert "predicted speed-up serving on H100-SXM" in printed and "T=0 k=1: measured" in printed
+
+
 def test_teacher_forced_metrics_are_the_trainers(validated_run, report, tiny_run_config):
     """Depth 1 equals the trainer's final validation on the same store (same code, same batches); the
     loss is the training objective's weighted sum of the per-depth terms."""

@@ -16,6 +16,10 @@ exactly those a fresh prefill of its kept tokens would write: no stale entry is 
 stored after rotary embedding and positions are passed explicitly, so where an entry sits never changes
 what it encodes.
 
+A draft tree is verified in one forward with an explicit tree mask (`attention_mask(..., tree=)`: each
+token sees the committed slots and its ancestors); afterwards `keep_new` keeps the slots of the accepted
+path only. They were written at the positions a prefill of the path would use, so the same invariant holds.
+
 The cache implements the two methods transformers' attention layers call (`update`, `get_seq_length`), so
 the same class serves an HF causal LM (every layer) and the draft head (its single layer).
 """
@@ -107,20 +111,46 @@ class SlotCache:
         pos = self.lengths[:, None] + new_valid.long().cumsum(1) - 1 + offset
         return pos.clamp(min=0)
 
-    def attention_mask(self, new_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def attention_mask(self, new_valid: torch.Tensor, dtype: torch.dtype,
+                       tree: torch.Tensor | None = None) -> torch.Tensor:
         """Additive mask [B, 1, T, S + T] for T new tokens: every valid cached slot, and the new tokens
         causally. A padding query also sees itself, so no row of the mask is empty (an empty row would
-        give NaN from softmax, and the NaN would sit in the cache)."""
+        give NaN from softmax, and the NaN would sit in the cache).
+
+        `tree` (bool [B, T, W], W >= T) replaces the last W columns: the last W - T cached slots (a draft
+        tree's earlier entries) and the T new tokens, which then see exactly the entries `tree` marks there
+        (their ancestors; each token always sees itself), plus every valid slot before those columns (the
+        committed prefix)."""
         B, T = new_valid.shape
         device = new_valid.device
         old = self.valid[:, None, :].expand(B, T, self.slots)
-        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        new = (causal[None] & new_valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=device)[None]
-        return additive(torch.cat([old, new], dim=-1)[:, None], dtype)
+        eye = torch.eye(T, dtype=torch.bool, device=device)[None]
+        if tree is None:
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            return additive(torch.cat([old, (causal[None] & new_valid[:, None, :]) | eye], dim=-1)[:, None], dtype)
+        W = tree.shape[-1]
+        if tree.shape[:2] != (B, T) or not T <= W <= self.slots + T:
+            raise ValueError(f"tree mask of shape {tuple(tree.shape)} for {T} new tokens over {self.slots} "
+                             f"cached slots: expected [{B}, {T}, W] with {T} <= W <= {self.slots + T}")
+        tree = tree.to(device=device, dtype=torch.bool).clone()
+        tree[..., W - T:] |= eye
+        return additive(torch.cat([old[..., :self.slots + T - W], tree], dim=-1)[:, None], dtype)
 
     def commit(self, new_valid: torch.Tensor) -> None:
         """Record the validity of the T slots the forward just appended."""
         self.valid = torch.cat([self.valid, new_valid.to(self.valid.device)], dim=1)
+        self._tidy()
+
+    def keep_new(self, kept: torch.Tensor) -> None:
+        """Keep, of the T slots the last forward appended, those `kept [B, T]` marks, in place (a verified
+        draft tree: the pending token and the accepted path). The others become holes; a row's real entries
+        stay in order, so the next positions (from `lengths`) continue the kept ones."""
+        T = kept.shape[1]
+        if kept.shape[0] != self.batch or T > self.slots:
+            raise ValueError(f"keep_new: kept of shape {tuple(kept.shape)} for a cache of {self.batch} rows "
+                             f"and {self.slots} slots")
+        self.valid = torch.cat([self.valid[:, :self.slots - T], self.valid[:, self.slots - T:]
+                                & kept.to(self.valid.device)], dim=1)
         self._tidy()
 
     def keep(self, lengths: torch.Tensor) -> None:

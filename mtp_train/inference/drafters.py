@@ -3,6 +3,8 @@
     drafter.start(batch)                                  empty caches for a batch
     drafter.propose(seqs, features, k, sampling, gen)     -> Proposal: k tokens per row (+ their q)
     drafter.accept(accepted)                              roll the drafter's cache back after verification
+    drafter.propose_tree(seqs, features, tree, sampling)  -> DraftTree (tree.py); leaves the cache as the
+                                                          next call expects (no accept)
     drafter.select(rows)                                  finished rows leave the batch
 
 `seqs[b]` is row b's committed sequence, prompt + emitted tokens; its last token is pending (emitted but
@@ -31,6 +33,7 @@ from torch import nn
 from mtp_train.inference.cache import SlotCache, right_align
 from mtp_train.inference.runner import CausalLMRunner, decode_attention, left_pad
 from mtp_train.inference.sampling import SamplingConfig, probabilities, sample
+from mtp_train.inference.tree import DraftTree, TreeConfig, grow
 
 
 @dataclass
@@ -62,6 +65,12 @@ class Drafter(ABC):
                 generator: torch.Generator | None = None) -> Proposal:
         """k draft tokens per row after each row's pending token (the last of `seqs[b]`)."""
 
+    def propose_tree(self, seqs: list[list[int]], features: Features, tree: TreeConfig,
+                     sampling: SamplingConfig) -> DraftTree:
+        """A draft tree per row after each row's pending token (`tree.grow`). The drafter's cache is left as
+        the next `propose` / `propose_tree` expects, whatever the target accepts: no `accept` call follows."""
+        raise NotImplementedError(f"the {self.name} drafter drafts chains only; decode without a tree")
+
     @abstractmethod
     def accept(self, accepted: torch.Tensor) -> None:
         """After verification: row b kept its first `accepted[b]` drafts. Roll the cache back to what the
@@ -78,6 +87,14 @@ def _draw(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[to
         return logits.argmax(-1), None
     q = probabilities(logits, sampling)
     return sample(q, generator), q
+
+
+def _log_q(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """logits [..., V] -> log q [..., V], what a draft tree scores its nodes by: the plain softmax when greedy,
+    the processed distribution otherwise (-inf where processing removed a token)."""
+    if sampling.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return probabilities(logits, sampling).log().clamp(max=0)
 
 
 def _proposal(tokens: list[torch.Tensor], probs: list[torch.Tensor | None]) -> Proposal:
@@ -120,10 +137,10 @@ class HeadDrafter(Drafter):
         self.cache.commit(valid)
         return h  # [B, T, H]
 
-    @torch.inference_mode()
-    def propose(self, seqs, features, k, sampling, generator=None) -> Proposal:
+    def _catch_up(self, seqs: list[list[int]], features: Features) -> torch.Tensor:
+        """The pairs (h_i, x_{i+1}) for the positions the target committed since the last call, from its
+        features -> the step's output for the pending token's pair [B, H] (what drafts the first token)."""
         B = len(seqs)
-        # catch-up: pairs (h_i, x_{i+1}) for the positions the target committed since the last call
         index = right_align(features.valid)
         valid = features.valid.gather(1, index)
         hidden = features.hidden.gather(1, index[..., None].expand_as(features.hidden))
@@ -138,6 +155,12 @@ class HeadDrafter(Drafter):
         tokens = tokens.to(self.device)
         h = self._step(tokens, self.head.fuse(hidden.to(self.lm_head.weight.dtype)), valid)[:, -1]  # pending token's
         self.committed = self.cache.lengths.clone()
+        return h
+
+    @torch.inference_mode()
+    def propose(self, seqs, features, k, sampling, generator=None) -> Proposal:
+        B = len(seqs)
+        h = self._catch_up(seqs, features)
         drafted, qs = [], []
         for j in range(k):
             d, q = self._draw(h, sampling, generator)
@@ -146,6 +169,39 @@ class HeadDrafter(Drafter):
             if j + 1 < k:  # chain: the head's own ĥ with the token it just drafted
                 h = self._step(d[:, None], h[:, None], torch.ones(B, 1, dtype=torch.bool, device=self.device))[:, 0]
         return _proposal(drafted, qs)
+
+    def _log_q(self, out: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+        """A step's output [..., H] -> log q over the target's vocabulary [..., V], -inf outside the draft
+        vocabulary."""
+        lq = _log_q(self.draft.logits(self.head.readout(out)).float(), sampling)
+        if self.draft.ids is None:
+            return lq
+        full = lq.new_full((*lq.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
+        full[..., self.draft.ids] = lq
+        return full
+
+    @torch.inference_mode()
+    def propose_tree(self, seqs, features, tree, sampling) -> DraftTree:
+        """The catch-up, then one head forward per depth over the frontier: node (ĥ of its parent, its token)
+        at position committed + depth, seeing the committed pairs and its ancestors' entries."""
+        h = self._catch_up(seqs, features)
+        base = self.committed[:, None]  # the pending pair sits at position `committed`
+        outputs = [h[:, None]]  # [B, F, H] the previous depth's outputs (the pending pair's at first)
+
+        def extend(tokens, parent, seen, depth):
+            prev = outputs[-1]
+            hidden = prev.gather(1, parent[..., None].expand(*parent.shape, prev.shape[-1]))
+            valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
+            with decode_attention(self.device):
+                out = self.head(self.embed(tokens), hidden, (base + depth).expand(tokens.shape),
+                                self.cache.attention_mask(valid, hidden.dtype, tree=seen), self.cache)
+            self.cache.commit(valid)
+            outputs.append(out)
+            return self._log_q(out, sampling)
+
+        drafted = grow(self._log_q(h, sampling), extend, tree)
+        self.cache.keep(self.committed)  # drop the tree's entries: the next catch-up uses target features
+        return drafted
 
     def accept(self, accepted: torch.Tensor) -> None:
         self.cache.keep(self.committed)  # drop the chain's entries; the next catch-up uses target features
@@ -192,6 +248,27 @@ class LMDrafter(Drafter):
                 logits, _ = self.runner.forward(self.cache, d[:, None],
                                                 torch.ones(B, 1, dtype=torch.bool, device=self.runner.device))
         return _proposal(drafted, qs)
+
+    @torch.inference_mode()
+    def propose_tree(self, seqs, features, tree, sampling) -> DraftTree:
+        """Feed the unseen committed tokens, then one forward per depth over the frontier: a node at position
+        seen + depth - 1, seeing the committed tokens and its ancestors."""
+        seen = self.seen.tolist()
+        ids, valid = left_pad([s[n:] for s, n in zip(seqs, seen)], device=self.runner.device)
+        logits, _ = self.runner.forward(self.cache, ids, valid, logits_last=1)
+        self.seen = torch.tensor([len(s) for s in seqs])
+        base = self.cache.lengths[:, None] - 1
+
+        def extend(tokens, parent, mask, depth):
+            valid = torch.ones(tokens.shape, dtype=torch.bool, device=self.runner.device)
+            out, _ = self.runner.forward(self.cache, tokens, valid, positions=(base + depth).expand(tokens.shape),
+                                         tree=mask)
+            return _log_q(self._logits(out), sampling)
+
+        drafted = grow(_log_q(self._logits(logits[:, -1]), sampling), extend, tree)
+        # drop the tree's entries: the next call feeds the accepted tokens like any committed ones
+        self.cache.keep(self.seen.to(self.cache.valid.device))
+        return drafted
 
     def accept(self, accepted: torch.Tensor) -> None:
         """The cache holds the committed tokens, then drafts d_1..d_{k-1}; the first `accepted` drafts are

@@ -99,12 +99,15 @@ class CausalLMRunner:
 
     @torch.inference_mode()
     def forward(self, cache: SlotCache, ids: torch.Tensor, valid: torch.Tensor, logits_last: int | None = None,
-                layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                layers: list[int] | None = None, positions: torch.Tensor | None = None,
+                tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [B, T] right-aligned with `valid [B, T]`; each row continues its own sequence in `cache`.
         Returns logits [B, L, V] (L = logits_last, or T) in fp32 and the features [B, T, H]: the final hidden
-        states, or with `layers` (an eagle3 head's) the residual entering each of them, concatenated [B, T, k·H]."""
-        mask = cache.attention_mask(valid, self.dtype)
-        positions = cache.positions(valid)
+        states, or with `layers` (an eagle3 head's) the residual entering each of them, concatenated [B, T, k·H].
+        A draft tree passes explicit `positions [B, T]` and its ancestor mask `tree [B, T, W]`
+        (`SlotCache.attention_mask`); by default the tokens continue each row causally."""
+        mask = cache.attention_mask(valid, self.dtype, tree=tree)
+        positions = cache.positions(valid) if positions is None else positions
         caught: dict[int, torch.Tensor] = {}
         hooks = hook_layer_inputs(self.base, layers, caught, "the head's aux_layers") if layers else []
         try:

@@ -13,6 +13,11 @@ Without a drafter (or k = 0) the same loop is plain decoding: one forward per to
 from the target's logits exactly as the verification picks its bonus token. That is the baseline the
 speed-ups are measured against, and greedy speculative output must equal it token for token.
 
+With `tree` (a `TreeConfig`) a step drafts a tree instead of a chain (`tree.py`): the drafter grows it,
+one target forward verifies [pending, node_1 .. node_{N-1}] with the tree mask, the walk from the pending
+token keeps a path of a nodes and picks one more token, and the target's cache keeps [pending, path]
+(`SlotCache.keep_new`). The stats count depths: accepted[j] = steps whose path reached depth j + 1.
+
 A row stops at a stop token (kept in its output) or at `max_new_tokens`; it never drafts past its limit
 (k shrinks to the tokens it has left), so no verified token is thrown away for length. Finished rows
 leave the batch.
@@ -29,6 +34,7 @@ from mtp_train.inference.drafters import Drafter, Features
 from mtp_train.inference.runner import CausalLMRunner, left_pad
 from mtp_train.inference.sampling import (SamplingConfig, next_token, probabilities, verify_greedy,
                                           verify_sampled)
+from mtp_train.inference.tree import TreeConfig, verify_tree_greedy, verify_tree_sampled
 
 
 @dataclass
@@ -44,6 +50,8 @@ class DecodeStats:
     emitted: int = 0  # tokens the verification steps emitted (bonus / corrections included)
     new_tokens: int = 0  # every new token, the prefill's included
     seconds: float = 0.0  # wall time, prefill included
+    verified: int = 0  # draft tokens the target verified, over every step of every row (a tree's nodes: the
+    # per-forward cost; a chain verifies the drafts it proposed)
 
     def __post_init__(self) -> None:
         self.drafted = self.drafted or [0] * self.k
@@ -68,7 +76,8 @@ class DecodeStats:
             raise ValueError(f"cannot add stats for k={other.k} to k={self.k}")
         return DecodeStats(self.k, self.steps + other.steps, [a + b for a, b in zip(self.drafted, other.drafted)],
                            [a + b for a, b in zip(self.accepted, other.accepted)], self.emitted + other.emitted,
-                           self.new_tokens + other.new_tokens, self.seconds + other.seconds)
+                           self.new_tokens + other.new_tokens, self.seconds + other.seconds,
+                           self.verified + other.verified)
 
 
 @dataclass
@@ -96,15 +105,19 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def __init__(self, target: CausalLMRunner, prompts: list[list[int]], *, drafter: Drafter | None = None,
                  k: int = 4, sampling: SamplingConfig | None = None, max_new_tokens: int = 64, stop_tokens=(),
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, tree: TreeConfig | None = None):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, and no prompt may be empty")
+        if tree is not None:
+            if drafter is None:
+                raise ValueError("a draft tree needs a drafter: pass drafter=..., or decode without tree")
+            k = tree.steps  # the stats count acceptance by depth
         if drafter is not None and k < 1:
             raise ValueError(f"k={k}: a drafter must propose at least one token (k >= 1); decode without one "
                              "(speculative=none) instead")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
-        self.target, self.drafter, self.generator = target, drafter, generator
+        self.target, self.drafter, self.generator, self.tree = target, drafter, generator, tree
         self.k = k if drafter is not None else 0
         self.sampling = sampling or SamplingConfig()
         self.max_new_tokens = max_new_tokens
@@ -151,6 +164,8 @@ class SpeculativeDecoder:
         num_drafts = torch.tensor([min(self.k, self.max_new_tokens - len(self.out[r]) - 1) for r in active],
                                   device=device)
         K = int(num_drafts.max())
+        if self.tree is not None and K > 0:
+            return self._tree_step(num_drafts, K)
         if K > 0:
             proposal = self.drafter.propose([self.seqs[r] for r in active], self.features, K, self.sampling,
                                             self.generator)
@@ -175,13 +190,19 @@ class SpeculativeDecoder:
             if K > 0:
                 self.drafter.accept(accepted)
 
-        stats = self.stats
-        stats.steps += n
+        self.stats.steps += n
+        self.stats.verified += int(num_drafts.sum())
         for j in range(K):
-            stats.drafted[j] += int((num_drafts > j).sum())
-        a_list, d_list, n_list = accepted.tolist(), drafts.tolist(), nxt.tolist()
-        for i, r in enumerate(active):
-            new = d_list[i][:a_list[i]] + [n_list[i]]
+            self.stats.drafted[j] += int((num_drafts > j).sum())
+        a_list, d_list = accepted.tolist(), drafts.tolist()
+        self._emit([d[:a] for d, a in zip(d_list, a_list)], nxt.tolist())
+
+    def _emit(self, kept: list[list[int]], nxt: list[int]) -> None:
+        """Row i emits its kept drafts `kept[i]` and then `nxt[i]`, up to its first stop token; finished rows
+        leave."""
+        stats = self.stats
+        for i, r in enumerate(self.active):
+            new = kept[i] + [nxt[i]]
             for m, t in enumerate(new):
                 if t in self.stop:  # a kept draft that is a stop token ends the row: it plays the "+1" token
                     new, self.stopped[r] = new[:m + 1], True
@@ -193,6 +214,35 @@ class SpeculativeDecoder:
             stats.emitted += len(new)
         self._drop_finished()
 
+    def _tree_step(self, max_depth: torch.Tensor, D: int) -> None:
+        """Propose a tree per row, verify [pending, nodes] in one target forward with the tree mask, keep the
+        pending token and the accepted path in the target's cache (as a prefill of them would have written
+        it), and hand their features to the drafter. A row accepts at most max_depth[i] nodes (its limit)."""
+        n, device, active = len(self.active), self.device, self.active
+        tree = self.drafter.propose_tree([self.seqs[r] for r in active], self.features, self.tree.shallower(D),
+                                         self.sampling)
+        self.features = None
+        pending = torch.tensor([self.seqs[r][-1] for r in active], device=device)
+        ids = torch.cat([pending[:, None], tree.tokens], dim=1)  # [n, N]
+        positions = self.cache.lengths[:, None] + tree.positions()
+        logits, hidden = self.target.forward(self.cache, ids, torch.ones(ids.shape, dtype=torch.bool, device=device),
+                                             layers=self.layers, positions=positions, tree=tree.mask())
+        if self.sampling.greedy:
+            path = verify_tree_greedy(tree, logits, max_depth)
+        else:
+            path = verify_tree_sampled(tree, probabilities(logits, self.sampling), max_depth, self.generator)
+        kept = path.kept(tree.size)  # [n, N] in order: parents come before their children
+        self.cache.keep_new(kept)
+        self.features = Features(hidden, kept)
+
+        self.stats.steps += n
+        self.stats.verified += n * (tree.size - 1)
+        usable = tree.depth <= max_depth[:, None]  # [n, M] nodes the row may accept
+        for j in range(D):
+            self.stats.drafted[j] += int(((tree.depth == j + 1) & usable).any(1).sum())
+        nodes, tokens = path.nodes.tolist(), tree.tokens.tolist()
+        self._emit([[tokens[i][j] for j in row if j >= 0] for i, row in enumerate(nodes)], path.next.tolist())
+
     def result(self) -> Generation:
         self.stats.new_tokens = sum(len(o) for o in self.out)
         return Generation(self.out, self.stopped, self.stats)
@@ -200,12 +250,14 @@ class SpeculativeDecoder:
 
 def generate(target: CausalLMRunner, prompts: list[list[int]], *, drafter: Drafter | None = None, k: int = 4,
              sampling: SamplingConfig | None = None, max_new_tokens: int = 64, stop_tokens=(),
-             generator: torch.Generator | None = None) -> Generation:
+             generator: torch.Generator | None = None, tree: TreeConfig | None = None) -> Generation:
     """Decode `prompts` (token id lists, batched together) with the target, speculatively when a drafter
-    is given. `generator` (on the target's device) makes sampling reproducible. Timed from the prefill on."""
+    is given: a chain of k drafts, or with `tree` a draft tree per step. `generator` (on the target's device)
+    makes sampling reproducible. Timed from the prefill on."""
     t0 = time.perf_counter()
     decoder = SpeculativeDecoder(target, prompts, drafter=drafter, k=k, sampling=sampling,
-                                 max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, generator=generator)
+                                 max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, generator=generator,
+                                 tree=tree)
     while not decoder.done:
         decoder.step()
     if decoder.device.type == "cuda":

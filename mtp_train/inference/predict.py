@@ -1,0 +1,329 @@
+"""What speculative decoding with a head would give on a GPU it has not run on: a roofline time model of one
+forward, and the speed-up it predicts from the acceptance validation measured.
+
+One forward of a model over `n` new tokens per row, batch `b`, `c` tokens already cached per row, costs
+
+    t = max(bytes / bandwidth, flops / matmul rate) + fixed + per_layer x layers
+
+* bytes: every decoder-layer weight once (for a mixture of experts, the experts the b·n tokens are expected to
+  touch: E·(1 − (1 − k/E)^(b·n))), the output projection's rows once, and the KV cache read by attention
+  (b · layers · (c + n) · the layer's K and V widths), at the run's dtype;
+* flops: 2 · M · (the weights a token multiplies, the output rows included) with M = b·n rounded up to the
+  device's matmul tile (**assumption**: a verification of k + 1 tokens at batch 1 costs a full 64-row tile, the
+  padding effect the write-up describes; it only shows once compute binds), plus attention's 4 · b · n · (c + n)
+  · layers · heads · head_dim;
+* fixed and per_layer: what a forward costs whatever its size — the host launching kernels. Eager PyTorch pays
+  it per operation (measured: `H200-eager`, our runner on an H200, and the `cpu` probe); a serving engine with
+  CUDA graphs pays little (**assumption**, not measured here: 0.3 ms + 0.03 ms per layer).
+
+A speculative step with a chain of k drafts runs the head k times (the catch-up over the ~τ tokens accepted last
+step, which yields the first draft, then k − 1 single-token steps) and one target forward over k + 1 tokens; it
+emits τ(k) tokens per row. So, per row,
+
+    speed-up(k, b) = τ(k) · T(b, 1) / (T(b, k + 1) + H(b, τ) + (k − 1) · H(b, 1))
+
+with T the target's forward and H the head's (one decoder layer, its input projection, its output rows: the
+draft vocabulary's or the whole lm_head). τ is what validation measured (per row: batch size does not change
+which drafts a row accepts). The context c is the prompt length plus half the generated tokens.
+
+Device profiles: datasheet bandwidth and dense bf16 rate times the fractions our H200 probe reached
+(`benchmarks/gpu_forward_time.py`: copy 4,242 of 4,800 GB/s = 0.88, GEMM 782 of 989 TFLOP/s = 0.79), for
+H100-SXM, H200, A100-80GB and L40S; `cpu` is measured on the spot (`measure_cpu`): a read-bandwidth probe, a
+matmul probe and the forward of a 1- and a 4-layer random Llama through our runner for the per-forward and
+per-layer costs. `benchmarks/predictor.py` checks the model against measurements.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from torch import nn
+
+BATCHES = (1, 4, 16, 64)
+BANDWIDTH_FRACTION = 4242 / 4800  # what the copy probe reached on an H200 (benchmarks/RESULTS.md `gpu`)
+MATMUL_FRACTION = 782 / 989  # what an 8192^3 bf16 GEMM reached there
+GRAPHS = {"fixed_ms": 0.3, "per_layer_ms": 0.03}  # assumed: an engine replaying CUDA graphs
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    bandwidth_gb_s: float  # achievable memory read bandwidth
+    tflops: float  # achievable dense matmul rate at the dtype served (bf16 on GPUs, fp32 on a CPU)
+    fixed_ms: float  # per forward, whatever its size
+    per_layer_ms: float  # per decoder layer and forward (kernel launches)
+    tile: int = 64  # matmul rows are padded to a multiple of this
+    source: str = ""
+
+
+def _gpu(name: str, tb_s: float, tflops: float, eager: dict | None = None) -> DeviceProfile:
+    over = eager or GRAPHS
+    return DeviceProfile(name, tb_s * 1000 * BANDWIDTH_FRACTION, tflops * MATMUL_FRACTION, over["fixed_ms"],
+                         over["per_layer_ms"], 64,
+                         f"datasheet {tb_s} TB/s, {tflops:g} TFLOP/s bf16 dense, times the fractions an H200 reached; "
+                         + ("overhead measured: our eager runner on an H200" if eager else
+                            "overhead assumed: an engine with CUDA graphs"))
+
+
+# Our runner (eager transformers) on the H200: 8B forward ~19.5 ms at b <= 16 whatever n, one layer ~2.0 ms, of
+# which weights are 3.8 and 0.35 ms: fixed + 32 x per_layer = 15.7, fixed + per_layer = 1.65.
+H200_EAGER = {"fixed_ms": 1.2, "per_layer_ms": 0.45}
+PROFILES = {p.name: p for p in (
+    _gpu("H100-SXM", 3.35, 989), _gpu("H200", 4.8, 989), _gpu("A100-80GB", 2.039, 312), _gpu("L40S", 0.864, 362),
+    DeviceProfile("H200-eager", 4.8 * 1000 * BANDWIDTH_FRACTION, 989 * MATMUL_FRACTION, H200_EAGER["fixed_ms"],
+                  H200_EAGER["per_layer_ms"], 64, "measured: our eager runner on an H200 (benchmarks/gpu_forward_time.py)"),
+)}
+
+
+def runner_profile(device: torch.device, dtype: torch.dtype) -> DeviceProfile | None:
+    """The profile of the machine our (eager) runner decodes on: `cpu` measured now; a known GPU's datasheet
+    with the eager overheads measured on the H200; None for a GPU it does not know."""
+    if device.type == "cpu":
+        return measure_cpu(dtype)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    for key, base in (("H100", "H100-SXM"), ("H200", "H200"), ("A100", "A100-80GB"), ("L40S", "L40S")):
+        if key in name:
+            p = PROFILES[base]
+            return replace(p, name=f"{base}-eager", fixed_ms=H200_EAGER["fixed_ms"],
+                           per_layer_ms=H200_EAGER["per_layer_ms"], source=p.source.split(";")[0]
+                           + "; overhead measured: our eager runner on an H200")
+    return None
+
+
+def profile(name: str) -> DeviceProfile:
+    if name == "cpu":
+        return measure_cpu()
+    if name not in PROFILES:
+        raise ValueError(f"unknown device profile {name!r}: expected cpu or one of {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+# -- what a model reads and computes ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelCost:
+    """Per-forward sizes of a decoder: what `forward_ms` needs, counted from the module itself."""
+
+    layers: int
+    dense_params: int  # decoder-layer weights every token multiplies (all layers)
+    expert_params: int  # routed-expert weights, all layers (0 for a dense model)
+    experts: int  # routed experts per layer (0 for a dense model)
+    experts_per_token: int
+    output_rows: int  # rows of the output projection read per forward
+    hidden: int
+    kv_width: int  # K + V entries per token and layer
+    attn_width: int  # heads x head_dim of the queries
+
+    def params_touched(self, tokens: int) -> float:
+        """Weights read by a forward over `tokens` tokens (the experts they are expected to reach)."""
+        if not self.experts:
+            return self.dense_params + self.output_rows * self.hidden
+        touched = self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens)
+        return self.dense_params + self.expert_params * touched / self.experts + self.output_rows * self.hidden
+
+    def params_per_token(self) -> float:
+        share = self.experts_per_token / self.experts if self.experts else 0.0
+        return self.dense_params + self.expert_params * share + self.output_rows * self.hidden
+
+
+def _kv_width(config) -> int:
+    heads = config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None):  # MLA as transformers caches it: full K and V per head
+        return heads * (config.qk_nope_head_dim + config.qk_rope_head_dim) + heads * config.v_head_dim
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * getattr(config, "num_key_value_heads", heads) * head_dim
+
+
+def _attn_width(config) -> int:
+    heads = config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None):
+        return heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
+    return heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
+def _matmul_params(module: nn.Module) -> tuple[int, int, int]:
+    """(dense, routed-expert, experts per layer) weights of the matrices in `module` (norms left out)."""
+    dense = experts = 0
+    per_layer = 0
+    for name, p in module.named_parameters():
+        if p.dim() < 2:
+            continue
+        if ".experts." in f".{name}":
+            experts += p.numel()
+            idx = name.split("experts.")[1].split(".")[0]
+            per_layer = max(per_layer, int(idx) + 1 if idx.isdigit() else p.shape[0])
+        else:
+            dense += p.numel()
+    return dense, experts, per_layer
+
+
+def target_cost(config) -> ModelCost:
+    """The target's sizes, from its config (the model is built on the meta device: no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dense, experts, n_experts = _matmul_params(model.base_model.layers)
+    return ModelCost(config.num_hidden_layers, dense, experts, n_experts,
+                     getattr(config, "num_experts_per_tok", 0) or 0 if n_experts else 0, config.vocab_size,
+                     config.hidden_size, _kv_width(config), _attn_width(config))
+
+
+def head_cost(target_config, head_cfg) -> ModelCost:
+    """A draft head's sizes: its layer and input projection, and the output rows it drafts over."""
+    from mtp_train.model.head import DraftHead
+
+    with torch.device("meta"):
+        head = DraftHead(target_config, head_cfg)
+    own_head = getattr(head, "lm_head", None)
+    dense = sum(p.numel() for n, p in head.named_parameters() if p.dim() >= 2 and not n.startswith("lm_head."))
+    rows = head_cfg.draft_vocab or target_config.vocab_size
+    if own_head is not None:
+        rows = own_head.weight.shape[0]
+    return ModelCost(1, dense, 0, 0, 0, rows, target_config.hidden_size, _kv_width(head.config),
+                     _attn_width(head.config))
+
+
+def forward_ms(cost: ModelCost, device: DeviceProfile, batch: int, new: int, context: int,
+               bytes_per_param: float, kv_bytes: float | None = None) -> float:
+    """Milliseconds of one forward over `new` tokens per row at batch `batch` with `context` cached per row."""
+    kv_bytes = bytes_per_param if kv_bytes is None else kv_bytes
+    tokens = batch * new
+    memory = cost.params_touched(tokens) * bytes_per_param + \
+        batch * cost.layers * (context + new) * cost.kv_width * kv_bytes
+    rows = math.ceil(tokens / device.tile) * device.tile
+    flops = 2 * rows * cost.params_per_token() + 4 * tokens * (context + new) * cost.layers * cost.attn_width
+    roof = max(memory / (device.bandwidth_gb_s * 1e9), flops / (device.tflops * 1e12))
+    return roof * 1e3 + device.fixed_ms + device.per_layer_ms * cost.layers
+
+
+# -- speed-ups ---------------------------------------------------------------------------------------------------
+def speculative_ms(target: ModelCost, head: ModelCost, device: DeviceProfile, batch: int, k: int, tau: float,
+                   context: int, bytes_per_param: float) -> float:
+    """One chain step: the head k times (a catch-up over ~tau tokens, then k - 1 single steps) and the target
+    over k + 1 tokens."""
+    catch_up = max(1, round(tau))
+    return (forward_ms(target, device, batch, k + 1, context, bytes_per_param)
+            + forward_ms(head, device, batch, catch_up, context, bytes_per_param)
+            + (k - 1) * forward_ms(head, device, batch, 1, context, bytes_per_param))
+
+
+def predict_speedup(target: ModelCost, head: ModelCost, device: DeviceProfile, batch: int, k: int, tau: float,
+                    context: int, bytes_per_param: float) -> dict:
+    plain = forward_ms(target, device, batch, 1, context, bytes_per_param)
+    step = speculative_ms(target, head, device, batch, k, tau, context, bytes_per_param)
+    return {"batch": batch, "k": k, "tau": tau, "target_ms": plain, "step_ms": step,
+            "tokens_per_s": batch * 1e3 / plain, "speculative_tokens_per_s": batch * tau * 1e3 / step,
+            "speedup": tau * plain / step}
+
+
+def serving_table(target: ModelCost, head: ModelCost, device: DeviceProfile, taus: dict[int, float], context: int,
+                  bytes_per_param: float = 2.0, batches=BATCHES) -> list[dict]:
+    """Per batch size: predicted tokens/s without speculation, with each measured k, and the best k."""
+    out = []
+    for b in batches:
+        rows = [predict_speedup(target, head, device, b, k, t, context, bytes_per_param) for k, t in sorted(taus.items())]
+        best = max(rows, key=lambda r: r["speedup"])
+        out.append({"batch": b, "target_only_tokens_per_s": rows[0]["tokens_per_s"],
+                    "speedup_by_k": {r["k"]: r["speedup"] for r in rows}, "best_k": best["k"],
+                    "best_speedup": best["speedup"]})
+    return out
+
+
+# -- the cpu profile, measured on the spot -------------------------------------------------------------------------
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def _overheads(dtype: torch.dtype) -> tuple[float, float]:
+    """(fixed, per-layer) ms of a decode forward through our runner, from random 1- and 4-layer Llamas small
+    enough that their weights cost nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mtp_train.inference.runner import CausalLMRunner
+
+    times = {}
+    for layers in (1, 4):
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=layers, vocab_size=256, attn_implementation="sdpa")
+        runner = CausalLMRunner(LlamaForCausalLM(config).to(dtype).eval())
+        cache = runner.new_cache(1)
+        runner.forward(cache, torch.zeros(1, 16, dtype=torch.long), torch.ones(1, 16, dtype=torch.bool), logits_last=1)
+        one = torch.ones(1, 1, dtype=torch.bool)
+        ids = torch.zeros(1, 1, dtype=torch.long)
+
+        def step():
+            runner.forward(cache, ids, one)
+            cache.keep(torch.tensor([16]))
+
+        times[layers] = _median_ms(step, 30)
+    per_layer = max(0.0, (times[4] - times[1]) / 3)
+    return max(0.0, times[1] - per_layer), per_layer
+
+
+def measure_cpu(dtype: torch.dtype = torch.float32) -> DeviceProfile:
+    """This machine's profile: read bandwidth (sum over 256 MiB), matmul rate (64 x 2048 by 2048 x 2048, the shape
+    of a short verification), and the runner's fixed and per-layer costs."""
+    x = torch.ones(64 << 20, dtype=torch.float32)
+    bandwidth = x.numel() * 4 / (_median_ms(lambda: x.sum(), 5) / 1e3) / 1e9
+    del x
+    a, w = torch.randn(64, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    tflops = 2 * 64 * 2048 * 2048 / (_median_ms(lambda: a @ w, 10) / 1e3) / 1e12
+    fixed, per_layer = _overheads(dtype)
+    return DeviceProfile("cpu", bandwidth, tflops, fixed, per_layer, 1,
+                         f"measured here: {torch.get_num_threads()} threads, {str(dtype).removeprefix('torch.')}")
+
+
+# -- what validate reports -------------------------------------------------------------------------------------------
+def validation_prediction(target_config, head_cfg, entries: list[dict], mean_context: float, device: DeviceProfile,
+                          bytes_per_param: float, batch: int, serving: str = "H100-SXM") -> dict:
+    """Beside each measured greedy/sampled chain row: the speed-up the model predicts on `device` (the machine
+    validate ran on); and the predicted serving table on the `serving` profile in bf16 for b in BATCHES, from
+    the greedy τ of the head."""
+    target, head = target_cost(target_config), head_cost(target_config, head_cfg)
+    context = int(mean_context)
+    checks = []
+    for e in entries:
+        if e["drafter"] != "head" or device is None:
+            continue
+        p = predict_speedup(target, head, device, batch, e["k"], e["tau"], context, bytes_per_param)
+        checks.append({"k": e["k"], "temperature": e["temperature"], "tau": e["tau"], "measured": e["speedup"],
+                       "predicted": p["speedup"], "error": p["speedup"] / e["speedup"] - 1})
+    greedy = {e["k"]: e["tau"] for e in entries if e["drafter"] == "head" and e["temperature"] == 0}
+    out = {"device": asdict(device) if device else None, "context": context, "checks": checks}
+    if greedy:
+        out["serving"] = {"profile": asdict(PROFILES[serving]), "dtype": "bfloat16",
+                          "table": serving_table(target, head, PROFILES[serving], greedy, context, 2.0)}
+    return out
+
+
+def format_prediction(pred: dict) -> str:
+    lines = []
+    d = pred["device"]
+    if d and pred["checks"]:
+        lines.append(f"predicted against measured on this machine ({d['name']}: {d['bandwidth_gb_s']:.0f} GB/s, "
+                     f"{d['tflops']:.2f} TFLOP/s, {d['fixed_ms']:.2f} ms + {d['per_layer_ms']:.2f} ms/layer per forward)")
+        for c in pred["checks"]:
+            lines.append(f"    T={c['temperature']:g} k={c['k']}: measured {c['measured']:.2f}x, predicted "
+                         f"{c['predicted']:.2f}x ({c['error']:+.0%})")
+    s = pred.get("serving")
+    if s:
+        ks = sorted(s["table"][0]["speedup_by_k"], key=int)
+        lines.append(f"predicted speed-up serving on {s['profile']['name']} (bf16, {s['profile']['source']}), "
+                     f"greedy τ as measured, context {pred['context']}:")
+        lines.append("  " + f"{'batch':>6}{'target tok/s':>14}" + "".join(f"{'k=' + str(k):>8}" for k in ks)
+                     + f"{'best':>8}")
+        for r in s["table"]:
+            lines.append("  " + f"{r['batch']:>6}{r['target_only_tokens_per_s']:>14,.0f}"
+                         + "".join(f"{r['speedup_by_k'][k]:>7.2f}x" for k in ks) + f"{'k=' + str(r['best_k']):>8}")
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""The speed model (mtp_train/inference/predict.py): sizes counted from the modules, the forward-time formula
+on made-up profiles against hand-computed numbers, and the speed-up it derives."""
+
+import math
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from mtp_train.inference import predict as P
+from mtp_train.model.head import HeadConfig
+
+
+def config(name):
+    return AutoConfig.from_pretrained(Path(__file__).parent / "fixtures" / "configs" / name)
+
+
+def test_sizes_of_a_llama_3_1_8b_target_and_its_heads():
+    cfg = config("llama3.1-8b")
+    t = P.target_cost(cfg)
+    H, I, L = 4096, 14336, 32
+    assert t.layers == L and t.experts == 0 and t.output_rows == 128256 and t.hidden == H
+    assert t.dense_params == L * (H * H + 2 * 1024 * H + H * H + 3 * H * I)  # q, k, v (8 kv heads x 128), o, MLP
+    assert t.kv_width == 2 * 8 * 128 and t.attn_width == 32 * 128
+    assert t.params_touched(1) == t.dense_params + 128256 * H  # embeddings are looked up, not read whole
+    mtp = P.head_cost(cfg, HeadConfig())
+    assert mtp.layers == 1 and mtp.output_rows == 128256
+    assert mtp.dense_params == 2 * H * H + t.dense_params // L  # eh_proj + one layer
+    assert P.head_cost(cfg, HeadConfig(draft_vocab=32000)).output_rows == 32000
+    e3 = P.head_cost(cfg, HeadConfig(variant="eagle3", draft_vocab=32000))
+    # fc 3H -> H, q/k/v read 2H, its own lm_head over the draft vocabulary as the output rows
+    assert e3.output_rows == 32000
+    assert e3.dense_params == 3 * H * H + 2 * H * (H + 2 * 1024) + H * H + 3 * H * I
+
+
+def test_sizes_of_a_mixture_of_experts_target():
+    t = P.target_cost(config("deepseek-v2-lite"))
+    assert (t.layers, t.experts, t.experts_per_token) == (27, 64, 6)
+    assert t.expert_params == 26 * 64 * 3 * 2048 * 1408  # layer 0 is dense (first_k_dense_replace = 1)
+    # one token reaches 6 of 64 experts; many tokens reach nearly all of them
+    one = t.dense_params + t.expert_params * 6 / 64 + 102400 * 2048
+    assert t.params_touched(1) == pytest.approx(one)
+    assert t.params_touched(4096) == pytest.approx(t.dense_params + t.expert_params + 102400 * 2048, rel=1e-6)
+    assert t.params_per_token() == pytest.approx(one)
+
+
+DEVICE = P.DeviceProfile("made-up", bandwidth_gb_s=1000, tflops=100, fixed_ms=0.5, per_layer_ms=0.1, tile=64)
+COST = P.ModelCost(layers=10, dense_params=1_000_000_000, expert_params=0, experts=0, experts_per_token=0,
+                   output_rows=100_000, hidden=1000, kv_width=500, attn_width=1000)
+
+
+def test_forward_time_by_hand_when_memory_binds():
+    # b = 2, n = 3, c = 97: weights 1.1e9 x 2 B, KV 2 x 10 x 100 x 500 x 2 B; flops 2 x 64 x 1.1e9 + attention
+    ms = P.forward_ms(COST, DEVICE, batch=2, new=3, context=97, bytes_per_param=2)
+    memory = (1.1e9 * 2 + 2 * 10 * 100 * 500 * 2) / 1e12
+    flops = (2 * 64 * 1.1e9 + 4 * 6 * 100 * 10 * 1000) / 1e14
+    assert memory > flops
+    assert ms == pytest.approx(memory * 1e3 + 0.5 + 10 * 0.1)  # 2.2002 ms + 1.5 ms
+
+
+def test_forward_time_by_hand_when_compute_binds_with_tile_padding():
+    # b = 64, n = 9: 576 tokens -> 576 rows (9 tiles); b = 64, n = 8 is 512 rows: the ninth token costs a tile
+    nine = P.forward_ms(COST, DEVICE, batch=64, new=9, context=0, bytes_per_param=2)
+    flops = (2 * 576 * 1.1e9 + 4 * 576 * 9 * 10 * 1000) / 1e14
+    assert nine == pytest.approx(flops * 1e3 + 1.5)
+    # at batch 1 every n up to 64 is one tile, and memory binds: verifying 8 tokens costs what 1 does, but KV
+    one, eight = (P.forward_ms(COST, DEVICE, 1, n, 0, 2) for n in (1, 8))
+    assert eight - one == pytest.approx(7 * 10 * 500 * 2 / 1e12 * 1e3)
+
+
+def test_speedup_formula_by_hand():
+    head = P.ModelCost(1, 50_000_000, 0, 0, 0, 100_000, 1000, 500, 1000)
+    r = P.predict_speedup(COST, head, DEVICE, batch=1, k=3, tau=2.5, context=100, bytes_per_param=2)
+    T1 = P.forward_ms(COST, DEVICE, 1, 1, 100, 2)
+    T4 = P.forward_ms(COST, DEVICE, 1, 4, 100, 2)
+    H3, H1 = P.forward_ms(head, DEVICE, 1, 2, 100, 2), P.forward_ms(head, DEVICE, 1, 1, 100, 2)  # round(2.5) = 2
+    assert r["speedup"] == pytest.approx(2.5 * T1 / (T4 + H3 + 2 * H1))
+    assert r["speculative_tokens_per_s"] / r["tokens_per_s"] == pytest.approx(r["speedup"])
+    table = P.serving_table(COST, head, DEVICE, {1: 1.6, 2: 2.1, 3: 2.5}, 100, 2, batches=(1, 64))
+    for row in table:
+        assert row["best_k"] == max(row["speedup_by_k"], key=row["speedup_by_k"].get)
+        assert row["best_speedup"] == max(row["speedup_by_k"].values())
+    # a head that costs nothing and drafts perfectly gains tau at batch 1 when memory binds
+    free = P.ModelCost(1, 0, 0, 0, 0, 0, 1000, 0, 0)
+    still = P.DeviceProfile("x", 1000, 100, 0.0, 0.0, 64)
+    assert P.predict_speedup(COST, free, still, 1, 3, 4.0, 0, 2)["speedup"] == pytest.approx(
+        4.0 * P.forward_ms(COST, still, 1, 1, 0, 2) / P.forward_ms(COST, still, 1, 4, 0, 2))
+
+
+def test_profiles():
+    h100 = P.profile("H100-SXM")
+    assert h100.bandwidth_gb_s == pytest.approx(3350 * 4242 / 4800)
+    assert h100.tflops == pytest.approx(989 * 782 / 989)
+    with pytest.raises(ValueError, match="unknown device profile 'B200': expected cpu or one of H100-SXM"):
+        P.profile("B200")
+    cpu = P.measure_cpu()
+    assert cpu.name == "cpu" and cpu.bandwidth_gb_s > 0 and cpu.tflops > 0 and cpu.tile == 1
+    assert cpu.fixed_ms >= 0 and cpu.per_layer_ms >= 0 and not math.isnan(cpu.fixed_ms)
