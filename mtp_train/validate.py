@@ -7,7 +7,14 @@
    conversations cut where the assistant's turn starts, else the first half of a document), for
    k = 1..K, greedy and sampled, with the head and with the draft LM when `target.draft_path` is set:
    τ (tokens per target forward), acceptance by position, tokens/s against the target alone at the
-   same settings, and whether greedy output is token for token the target's own greedy output.
+   same settings, and whether greedy output is token for token the target's own greedy output; and the
+   draft trees of `validate.trees` (SGLang's steps / topk / num_draft_tokens) beside the chain that verifies
+   as many tokens per target forward (k = num_draft_tokens - 1).
+
+Speeds are measured in rounds: the target alone is timed before the first drafter and again after each
+(drafter, temperature) block, and each row's speed-up divides by the mean of the target-only rounds on either
+side of its block, so a load change on the machine shows as a spread, not as a speed-up. A speed-up above τ
+cannot be real (a draft step costs something) and is flagged.
 
 Writes `run_dir/validation/report.json`, two plots beside it, and prints a table.
 """
@@ -23,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mtp_train.inference import CausalLMRunner, Drafter, HeadDrafter, SamplingConfig, generate, load_runner
+from mtp_train.inference import CausalLMRunner, Drafter, HeadDrafter, SamplingConfig, TreeConfig, generate, load_runner
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
@@ -43,6 +50,9 @@ class ValidateConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])  # 0 = greedy
     drafters: list[str] = field(default_factory=lambda: list(DRAFTERS))  # draft only with target.draft_path
     batch_size: int = 1  # prompts decoded together (1 = the latency setting speculative decoding is for)
+    # draft trees decoded beside the chains, for every drafter and temperature; the defaults verify 4 and 6 tokens
+    # per target forward, as the chains k = 3 and k = 5 do ([] = chains only)
+    trees: list[TreeConfig] = field(default_factory=lambda: [TreeConfig(3, 2, 4), TreeConfig(5, 4, 6)])
     plots: bool = True
     predict: bool = True  # the speed model's prediction beside each measured head row, and on `serving_profile`
     serving_profile: str = "H100-SXM"  # mtp_train/inference/predict.py PROFILES
@@ -129,55 +139,89 @@ def teacher_forced(cfg: "RunConfig", head: torch.nn.Module, frozen, device: torc
 
 # -- real decoding --------------------------------------------------------------------------------------------
 def decode_all(target: CausalLMRunner, drafter: Drafter | None, prompts: list[list[int]], k: int,
-               sampling: SamplingConfig, max_new_tokens: int, stop: set[int], batch_size: int, seed: int):
+               sampling: SamplingConfig, max_new_tokens: int, stop: set[int], batch_size: int, seed: int,
+               tree: TreeConfig | None = None):
     """Every prompt, `batch_size` at a time; batch i samples with seed + i. -> (tokens per prompt, stats)."""
     tokens, total = [], None
     for i in range(0, len(prompts), batch_size):
         gen = torch.Generator(target.device).manual_seed(seed + i)
         out = generate(target, prompts[i:i + batch_size], drafter=drafter, k=k, sampling=sampling,
-                       max_new_tokens=max_new_tokens, stop_tokens=stop, generator=gen)
+                       max_new_tokens=max_new_tokens, stop_tokens=stop, generator=gen, tree=tree)
         tokens += out.tokens
         total = out.stats if total is None else total.add(out.stats)
     return tokens, total
 
 
 def decoding(cfg: "RunConfig", target: CausalLMRunner, drafters: dict[str, Drafter], prompts: list[list[int]],
-             stop: set[int], say=print) -> tuple[list[dict], list[dict]]:
-    """(entries per drafter, temperature and k; the target-only baselines per temperature)."""
+             stop: set[int], say=print) -> tuple[list[dict], list[dict], list[dict]]:
+    """(chain entries per drafter, temperature and k; tree entries per drafter, temperature and tree; the
+    target-only baselines per temperature with their timing rounds)."""
     v = cfg.validate
-    decode = lambda drafter, k, sampling: decode_all(target, drafter, prompts, k, sampling,  # noqa: E731
-                                                     v.max_new_tokens, stop, v.batch_size, cfg.seed)
+    decode = lambda drafter, k, sampling, tree=None: decode_all(  # noqa: E731
+        target, drafter, prompts, k, sampling, v.max_new_tokens, stop, v.batch_size, cfg.seed, tree)
     decode(None, 0, SamplingConfig())  # warm-up: first calls allocate
-    baselines, entries = {}, []
-    for t in v.temperatures:
+    baselines = {t: {"temperature": t, "rounds": []} for t in v.temperatures}
+
+    def target_round(t: float) -> float:
         tokens, s = decode(None, 0, SamplingConfig(temperature=t))
-        baselines[t] = {"temperature": t, "tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens,
-                        "tokens": tokens}
-        say(f"validate: target only, T={t:g}: {s.tokens_per_s:.1f} tokens/s")
+        b = baselines[t]
+        b.setdefault("tokens", tokens)
+        b["new_tokens"] = s.new_tokens
+        b["rounds"].append(s.tokens_per_s)
+        return s.tokens_per_s
+
+    for t in v.temperatures:
+        say(f"validate: target only, T={t:g}: {target_round(t):.1f} tokens/s")
+    settings = [(k, None) for k in range(1, v.max_k + 1)] + [(tree.steps, tree) for tree in v.trees]
+    entries, tree_entries = [], []
     for name, drafter in drafters.items():
         # warm-up: the drafter's first calls allocate its cache and build its kernels
         decode_all(target, drafter, prompts[:2], v.max_k, SamplingConfig(), 8, stop, v.batch_size, cfg.seed)
+        if v.trees:
+            decode_all(target, drafter, prompts[:2], 0, SamplingConfig(), 8, stop, v.batch_size, cfg.seed, v.trees[0])
         for t in v.temperatures:
-            for k in range(1, v.max_k + 1):
-                tokens, s = decode(drafter, k, SamplingConfig(temperature=t))
-                base = baselines[t]
-                entries.append({
-                    "drafter": name, "k": k, "temperature": t, "tau": s.tau,
-                    "acceptance_by_position": s.acceptance_by_position,
-                    "tokens_per_s": s.tokens_per_s, "target_only_tokens_per_s": base["tokens_per_s"],
-                    "speedup": s.tokens_per_s / base["tokens_per_s"],
-                    "greedy_identical": tokens == base["tokens"] if t == 0 else None,
-                    "greedy_identical_prompts": sum(a == b for a, b in zip(tokens, base["tokens"])) if t == 0
-                    else None,
-                    "num_prompts": len(prompts), "new_tokens": s.new_tokens, "steps": s.steps,
-                    "drafted": s.drafted, "accepted": s.accepted})
-                say(f"validate: {name} T={t:g} k={k}: tau {s.tau:.2f}, {s.tokens_per_s:.1f} tokens/s")
-    return entries, [{k: b[k] for k in ("temperature", "tokens_per_s", "new_tokens")} for b in baselines.values()]
+            block, before = [], baselines[t]["rounds"][-1]
+            base_tokens = baselines[t]["tokens"]
+            for k, tree in settings:
+                tokens, s = decode(drafter, k, SamplingConfig(temperature=t), tree)
+                e = {"drafter": name, "k": k, "temperature": t, "tau": s.tau, "tokens_per_s": s.tokens_per_s,
+                     "greedy_identical": tokens == base_tokens if t == 0 else None,
+                     "greedy_identical_prompts": sum(a == b for a, b in zip(tokens, base_tokens)) if t == 0
+                     else None,
+                     "num_prompts": len(prompts), "new_tokens": s.new_tokens, "steps": s.steps,
+                     "target_forwards": s.steps, "verified_per_forward": s.verified / s.steps if s.steps else None,
+                     "drafted": s.drafted, "accepted": s.accepted}
+                if tree is None:
+                    e["acceptance_by_position"] = s.acceptance_by_position
+                    entries.append(e)
+                else:
+                    e["tree"] = [tree.steps, tree.topk, tree.num_draft_tokens]
+                    e["acceptance_by_depth"] = s.acceptance_by_position
+                    tree_entries.append(e)
+                block.append(e)
+                what = f"tree {tree.steps}/{tree.topk}/{tree.num_draft_tokens}" if tree else f"k={k}"
+                say(f"validate: {name} T={t:g} {what}: tau {s.tau:.2f}, {s.tokens_per_s:.1f} tokens/s")
+            after = target_round(t)  # the next round: this block's speeds divide by the mean of both sides
+            for e in block:
+                e["target_only_tokens_per_s"] = (before + after) / 2
+                e["speedup"] = e["tokens_per_s"] / e["target_only_tokens_per_s"]
+                e["speedup_above_tau"] = e["speedup"] > e["tau"]
+    out = []
+    for b in baselines.values():
+        r = b["rounds"]
+        mean = sum(r) / len(r)
+        out.append({"temperature": b["temperature"], "tokens_per_s": mean, "rounds": r,
+                    "spread": (max(r) - min(r)) / mean, "new_tokens": b["new_tokens"]})
+    return entries, tree_entries, out
 
 
 # -- report -----------------------------------------------------------------------------------------------------
 def _fmt(x, spec: str, none: str = "-") -> str:
-    return none if x is None else format(x, spec)
+    """x formatted, or `none` right-aligned to the spec's width."""
+    if x is None:
+        width = spec.split(".")[0].lstrip("<>^")
+        return none.rjust(int(width)) if width.isdigit() else none
+    return format(x, spec)
 
 
 def format_table(report: dict) -> str:
@@ -199,18 +243,39 @@ def format_table(report: dict) -> str:
         lines.append(f"  {'drafter':<8}{'T':>4}{'k':>3}{'tau':>7}  {'acceptance by position':<30}{'tok/s':>8}"
                      f"{'speed-up':>10}  greedy = target")
         for b in report["target_only"]:
+            spread = f"  (rounds {' '.join(f'{r:.1f}' for r in b['rounds'])}: spread {b['spread']:.0%})" \
+                if len(b.get("rounds", [])) > 1 else ""
             lines.append(f"  {'none':<8}{b['temperature']:>4g}{'-':>3}{1.0:>7.2f}  {'':<30}{b['tokens_per_s']:>8.1f}"
-                         f"{1.0:>9.2f}x")
+                         f"{1.0:>9.2f}x{spread}")
         for e in dec:
             acc = " ".join(f"{a:.2f}" for a in e["acceptance_by_position"])
-            same = _identical(e)
             lines.append(f"  {e['drafter']:<8}{e['temperature']:>4g}{e['k']:>3}{e['tau']:>7.2f}  {acc:<30}"
-                         f"{e['tokens_per_s']:>8.1f}{e['speedup']:>9.2f}x  {same}")
+                         f"{e['tokens_per_s']:>8.1f}{e['speedup']:>9.2f}x{_flag(e)} {_identical(e)}")
+    trees = report.get("tree_decoding") or []
+    if trees:
+        chain = {(e["drafter"], e["temperature"], e["k"]): e["tau"] for e in dec}
+        lines.append("draft trees (SGLang's steps/topk/num_draft_tokens) beside the chain verifying as many tokens "
+                     "(k = num_draft_tokens - 1):")
+        lines.append(f"  {'tree':<10}{'drafter':<8}{'T':>4}{'tau':>7}{'chain':>7}  {'acceptance by depth':<30}"
+                     f"{'tok/s':>8}{'speed-up':>10}  greedy = target")
+        for e in trees:
+            acc = " ".join(f"{a:.2f}" for a in e["acceptance_by_depth"])
+            setting = "/".join(map(str, e["tree"]))
+            c = chain.get((e["drafter"], e["temperature"], e["tree"][2] - 1))
+            lines.append(f"  {setting:<10}{e['drafter']:<8}{e['temperature']:>4g}{e['tau']:>7.2f}{_fmt(c, '7.2f')}  "
+                         f"{acc:<30}{e['tokens_per_s']:>8.1f}{e['speedup']:>9.2f}x{_flag(e)} {_identical(e)}")
+    if any(e.get("speedup_above_tau") for e in dec + trees):
+        lines.append("  ! speed-up above tau: not possible when a draft step costs anything; the machine's load "
+                     "changed during the run, rerun on an idle machine")
     if report.get("prediction"):
         from mtp_train.inference.predict import format_prediction
 
         lines.append(format_prediction(report["prediction"]))
     return "\n".join(lines)
+
+
+def _flag(e: dict) -> str:
+    return "!" if e.get("speedup_above_tau") else " "
 
 
 def _identical(e: dict) -> str:
@@ -254,9 +319,14 @@ def draw_tau(ax_tau, ax_speed, report: dict) -> None:
         ks, style = [e["k"] for e in es], "-" if t == 0 else "--"
         ax_tau.plot(ks, [e["tau"] for e in es], style, marker="o", label=_label(name, t))
         ax_speed.plot(ks, [e["speedup"] for e in es], style, marker="o", label=_label(name, t))
+    for e in report.get("tree_decoding") or []:  # a tree at the chain's x that verifies as many tokens
+        label = f"{_label(e['drafter'], e['temperature'])}, tree {'/'.join(map(str, e['tree']))}"
+        x = e["tree"][2] - 1
+        ax_tau.plot([x], [e["tau"]], linestyle="none", marker="*", markersize=10, label=label)
+        ax_speed.plot([x], [e["speedup"]], linestyle="none", marker="*", markersize=10, label=label)
     for ax, what in ((ax_tau, "τ: tokens per target forward"), (ax_speed, "tokens/s ÷ target-only tokens/s")):
         ax.axhline(1.0, color="grey", lw=1, label="target only")
-        ax.set(xlabel="k (drafted tokens per target forward)", ylabel=what)
+        ax.set(xlabel="k (drafted tokens per target forward; a tree ★ at num_draft_tokens - 1)", ylabel=what)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
     ax_tau.set_title("τ against k")
@@ -323,7 +393,7 @@ def run(cfg: "RunConfig") -> dict:
                              "depth": meta.get("depth"),
                              "sha256": sha256_file(Path(meta["checkpoint"]) / "head.safetensors")},
                     "val_loss": None, "loss_terms_by_depth": [], "accuracy_by_depth": [],
-                    "expected_acceptance_by_depth": [], "decoding": [], "target_only": []}
+                    "expected_acceptance_by_depth": [], "decoding": [], "tree_decoding": [], "target_only": []}
     if v.teacher_forced:
         if target is not None:  # share the loaded target's tensors (a cast copy only if dtypes differ)
             frozen = FrozenTarget(target.model.get_input_embeddings().weight.to(frozen_dtype),
@@ -338,8 +408,8 @@ def run(cfg: "RunConfig") -> dict:
             if "head" in names else {}
         if "draft" in names:
             drafters["draft"] = load_draft(cfg, target, tokenizer)
-        entries, baselines = decoding(cfg, target, drafters, prompts, stop_tokens(tokenizer, target))
-        report["decoding"], report["target_only"] = entries, baselines
+        entries, tree_entries, baselines = decoding(cfg, target, drafters, prompts, stop_tokens(tokenizer, target))
+        report["decoding"], report["tree_decoding"], report["target_only"] = entries, tree_entries, baselines
         report["decoding_settings"] = {
             "prompts": source,
             "num_prompts": len(prompts), "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
@@ -347,7 +417,7 @@ def run(cfg: "RunConfig") -> dict:
             "device": str(target.device), "dtype": cfg.target.dtype, "torch_threads": torch.get_num_threads(),
             "machine": platform.machine(), "processor": platform.processor() or platform.machine()}
         if v.predict and "head" in drafters:
-            report["prediction"] = _prediction(cfg, target, entries, report["decoding_settings"])
+            report["prediction"] = _prediction(cfg, target, entries + tree_entries, report["decoding_settings"])
     report["config"] = asdict(v)
     report["seconds"] = time.perf_counter() - t0
     out_dir = Path(cfg.run_dir) / "validation"

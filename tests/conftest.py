@@ -77,7 +77,8 @@ def tiny_run_config():
 
 RUN_OVERRIDES = ("target.device=cpu", "train.steps=24", "train.micro_batch=8", "train.lr=3e-3",
                  "train.warmup_steps=2", "train.eval_every=0", "train.save_every=0", "train.log_every=4",
-                 "validate.num_prompts=2", "validate.max_new_tokens=10", "validate.max_k=2")
+                 "validate.num_prompts=2", "validate.max_new_tokens=10", "validate.max_k=2",
+                 "validate.trees=[{steps:2,topk:2,num_draft_tokens:3}]")
 
 
 def run_config(run_dir, *overrides):
@@ -89,8 +90,8 @@ def run_config(run_dir, *overrides):
 
 @pytest.fixture(scope="session")
 def validated_run(trained_run):
-    """`trained_run` after `mtp-train validate` (2 prompts, 10 new tokens, k = 1, 2, greedy and T = 1, head
-    and draft LM). Returns (run_dir, what the command printed)."""
+    """`trained_run` after `mtp-train validate` (2 prompts, 10 new tokens, k = 1, 2 and a tree 2/2/3, greedy
+    and T = 1, head and draft LM). Returns (run_dir, what the command printed)."""
     import contextlib
     import io
 

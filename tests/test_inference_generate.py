@@ -23,7 +23,13 @@ def test_generate_is_the_same_text_with_every_drafter(trained_run, capsys):
                      "max_new_tokens=24", "target.device=cpu"]) == 0
         texts[how], stats = generated(capsys)
         assert "tokens per target forward" in stats
-    assert texts["head"] == texts["draft"] == texts["none"] and texts["none"].strip()
+    for how in ("head", "draft"):  # a draft tree instead of the chain: the same greedy text
+        assert main(["generate", f"run_dir={trained_run}", f"prompt={PROMPT}", f"speculative={how}",
+                     "tree=[3,2,4]", "max_new_tokens=24", "target.device=cpu"]) == 0
+        texts[how + " tree"], stats = generated(capsys)
+        assert f"{how}, tree 3/2/4: tau" in stats and "acceptance by depth" in stats
+    assert texts["head"] == texts["draft"] == texts["none"] == texts["head tree"] == texts["draft tree"]
+    assert texts["none"].strip()
     assert sorted(trained_run.glob("config*.yaml")) == configs  # generate writes nothing into the run
 
 

@@ -96,3 +96,22 @@ def test_profiles():
     cpu = P.measure_cpu()
     assert cpu.name == "cpu" and cpu.bandwidth_gb_s > 0 and cpu.tflops > 0 and cpu.tile == 1
     assert cpu.fixed_ms >= 0 and cpu.per_layer_ms >= 0 and not math.isnan(cpu.fixed_ms)
+
+
+def test_tree_speedup_formula_by_hand():
+    """A tree (steps, topk, num_draft_tokens): the target over num_draft_tokens, the catch-up over ~tau tokens
+    and steps - 1 head forwards over the topk frontier nodes."""
+    head = P.ModelCost(1, 50_000_000, 0, 0, 0, 100_000, 1000, 500, 1000)
+    r = P.predict_speedup(COST, head, DEVICE, batch=4, k=5, tau=2.6, context=100, bytes_per_param=2, tree=(5, 4, 8))
+    T1, T8 = (P.forward_ms(COST, DEVICE, 4, n, 100, 2) for n in (1, 8))
+    catch_up, frontier = P.forward_ms(head, DEVICE, 4, 3, 100, 2), P.forward_ms(head, DEVICE, 4, 4, 100, 2)
+    assert r["speedup"] == pytest.approx(2.6 * T1 / (T8 + catch_up + 4 * frontier)) and r["tree"] == [5, 4, 8]
+    table = P.serving_table(COST, head, DEVICE, {3: 2.2}, 100, 2, batches=(1, 64), trees={(5, 4, 8): 2.6})
+    for row in table:
+        assert list(row["speedup_by_tree"]) == ["tree 5/4/8"]
+        options = {"k=3": row["speedup_by_k"][3], "tree 5/4/8": row["speedup_by_tree"]["tree 5/4/8"]}
+        assert row["best"] == max(options, key=options.get) and row["best_speedup"] == max(options.values())
+    # at batch 64 compute binds: 8 tokens a row cost 8 tiles of 64 where the chain's 4 cost 4, so the tree loses
+    # more against the chain than at batch 1, where the verification is memory-bound
+    ratio = [row["speedup_by_tree"]["tree 5/4/8"] / row["speedup_by_k"][3] for row in table]
+    assert ratio[1] < ratio[0]

@@ -39,21 +39,62 @@ def test_report_has_every_section(report):
     assert max(e["tau"] for e in head_greedy) > 1.1  # the trained head's drafts are accepted
 
 
+def test_report_has_the_trees_beside_the_chains(report):
+    """One entry per drafter and temperature for the tree 2/2/3 (steps/topk/num_draft_tokens): tau from its
+    counts, acceptance by depth, the target forwards and the tokens each verified, greedy identical."""
+    trees = report["tree_decoding"]
+    assert {(e["drafter"], e["temperature"], tuple(e["tree"])) for e in trees} == {
+        (d, t, (2, 2, 3)) for d in ("head", "draft") for t in (0.0, 1.0)}
+    for e in trees:
+        assert e["k"] == 2 and len(e["acceptance_by_depth"]) == 2
+        assert 1 <= e["tau"] <= 3 and e["tau"] == pytest.approx(1 + sum(e["accepted"]) / e["steps"])
+        assert e["tau"] * e["target_forwards"] == pytest.approx(e["new_tokens"] - e["num_prompts"])
+        assert 1 <= e["verified_per_forward"] <= 2  # num_draft_tokens - 1 nodes (fewer near max_new_tokens)
+        assert e["greedy_identical"] is (True if e["temperature"] == 0 else None)
+
+
+def test_speeds_are_measured_in_rounds(report):
+    """The target alone is timed before the drafters and after each (drafter, temperature) block; each row
+    divides by the mean of the rounds on either side of its block."""
+    for b in report["target_only"]:
+        rounds = b["rounds"]
+        assert len(rounds) == 1 + 2 and b["tokens_per_s"] == pytest.approx(sum(rounds) / 3)
+        assert b["spread"] == pytest.approx((max(rounds) - min(rounds)) / b["tokens_per_s"])
+        for i, name in enumerate(("head", "draft")):
+            rows = [e for e in report["decoding"] + report["tree_decoding"]
+                    if e["drafter"] == name and e["temperature"] == b["temperature"]]
+            assert len(rows) == 3
+            for e in rows:
+                assert e["target_only_tokens_per_s"] == pytest.approx((rounds[i] + rounds[i + 1]) / 2)
+                assert e["speedup"] == pytest.approx(e["tokens_per_s"] / e["target_only_tokens_per_s"])
+                assert e["speedup_above_tau"] is (e["speedup"] > e["tau"])
+
+
+def test_a_speedup_above_tau_is_flagged(report):
+    greedy = next(e for e in report["decoding"] if e["temperature"] == 0 and e["drafter"] == "head")
+    fake = dict(report, decoding=[dict(greedy, speedup=greedy["tau"] + 0.5, speedup_above_tau=True)],
+                tree_decoding=[], prediction=None)
+    table = format_table(fake)
+    assert "x! yes" in table and "speed-up above tau" in table
+    assert "speed-up above tau" not in format_table(dict(fake, decoding=[greedy]))
+
+
 def test_report_predicts_the_speedups(report, validated_run):
     """The speed model beside each measured head row (this machine's profile, measured when validating), and
     its serving table on an H100 for b = 1..64, from the same taus."""
     pred = report["prediction"]
     assert pred["device"]["name"] == "cpu" and pred["device"]["bandwidth_gb_s"] > 0
-    heads = [e for e in report["decoding"] if e["drafter"] == "head"]
-    assert [(c["k"], c["temperature"], c["tau"], c["measured"]) for c in pred["checks"]] == \
-        [(e["k"], e["temperature"], e["tau"], e["speedup"]) for e in heads]
+    heads = [e for e in report["decoding"] + report["tree_decoding"] if e["drafter"] == "head"]
+    assert [(c["k"], c["tree"], c["temperature"], c["tau"], c["measured"]) for c in pred["checks"]] == \
+        [(e["k"], e.get("tree"), e["temperature"], e["tau"], e["speedup"]) for e in heads]
     for c in pred["checks"]:
         assert c["predicted"] > 0 and c["error"] == pytest.approx(c["predicted"] / c["measured"] - 1)
     serving = pred["serving"]
     assert serving["profile"]["name"] == "H100-SXM" and [r["batch"] for r in serving["table"]] == [1, 4, 16, 64]
     for r in serving["table"]:
         assert set(r["speedup_by_k"]) == {"1", "2"} or set(r["speedup_by_k"]) == {1, 2}
-        assert r["best_speedup"] == max(r["speedup_by_k"].values())
+        assert list(r["speedup_by_tree"]) == ["tree 2/2/3"]
+        assert r["best_speedup"] == max([*r["speedup_by_k"].values(), *r["speedup_by_tree"].values()])
     _, printed = validated_run
     assert "predicted speed-up serving on H100-SXM" in printed and "T=0 k=1: measured" in printed
 
@@ -80,6 +121,8 @@ def test_plots_and_table(validated_run):
     assert "teacher-forced on the val store" in printed and "greedy = target" in printed
     rows = [line.split() for line in printed.splitlines() if line.startswith(("  head ", "  draft ", "  none "))]
     assert len(rows) == 8 + 2 and all(r[-1] == "yes" for r in rows if r[0] != "none" and r[1] == "0")
+    trees = [line.split() for line in printed.splitlines() if line.startswith("  2/2/3 ")]
+    assert len(trees) == 4 and all(r[-1] == "yes" for r in trees if r[2] == "0")
 
 
 def test_table_counts_the_prompts_that_matched(report):

@@ -22,6 +22,11 @@ emits τ(k) tokens per row. So, per row,
 
     speed-up(k, b) = τ(k) · T(b, 1) / (T(b, k + 1) + H(b, τ) + (k − 1) · H(b, 1))
 
+A tree (SGLang's steps, topk, num_draft_tokens = N) runs the head's catch-up and then steps − 1 forwards over the
+topk frontier nodes, and verifies N tokens in one target forward:
+
+    speed-up(tree, b) = τ(tree) · T(b, 1) / (T(b, N) + H(b, τ) + (steps − 1) · H(b, topk))
+
 with T the target's forward and H the head's (one decoder layer, its input projection, its output rows: the
 draft vocabulary's or the whole lm_head). τ is what validation measured (per row: batch size does not change
 which drafts a row accepts). The context c is the prompt length plus half the generated tokens.
@@ -210,24 +215,48 @@ def speculative_ms(target: ModelCost, head: ModelCost, device: DeviceProfile, ba
             + (k - 1) * forward_ms(head, device, batch, 1, context, bytes_per_param))
 
 
+def tree_ms(target: ModelCost, head: ModelCost, device: DeviceProfile, batch: int, tree: tuple[int, int, int],
+            tau: float, context: int, bytes_per_param: float) -> float:
+    """One tree step, `tree` = (steps, topk, num_draft_tokens): the head's catch-up (~tau tokens, it yields depth
+    1), then steps - 1 head forwards over the topk frontier nodes, and the target over num_draft_tokens tokens."""
+    steps, topk, n = tree
+    catch_up = max(1, round(tau))
+    return (forward_ms(target, device, batch, n, context, bytes_per_param)
+            + forward_ms(head, device, batch, catch_up, context, bytes_per_param)
+            + (steps - 1) * forward_ms(head, device, batch, topk, context, bytes_per_param))
+
+
+def tree_label(tree) -> str:
+    """(steps, topk, num_draft_tokens) -> "tree 5/4/8", SGLang's three numbers in its order."""
+    return "tree " + "/".join(str(x) for x in tree)
+
+
 def predict_speedup(target: ModelCost, head: ModelCost, device: DeviceProfile, batch: int, k: int, tau: float,
-                    context: int, bytes_per_param: float) -> dict:
+                    context: int, bytes_per_param: float, tree: tuple[int, int, int] | None = None) -> dict:
+    """The speed-up of a chain of k drafts, or with `tree` of that draft tree, that emits tau tokens per step."""
     plain = forward_ms(target, device, batch, 1, context, bytes_per_param)
-    step = speculative_ms(target, head, device, batch, k, tau, context, bytes_per_param)
-    return {"batch": batch, "k": k, "tau": tau, "target_ms": plain, "step_ms": step,
-            "tokens_per_s": batch * 1e3 / plain, "speculative_tokens_per_s": batch * tau * 1e3 / step,
+    step = (tree_ms(target, head, device, batch, tree, tau, context, bytes_per_param) if tree else
+            speculative_ms(target, head, device, batch, k, tau, context, bytes_per_param))
+    return {"batch": batch, "k": k, "tree": list(tree) if tree else None, "tau": tau, "target_ms": plain,
+            "step_ms": step, "tokens_per_s": batch * 1e3 / plain, "speculative_tokens_per_s": batch * tau * 1e3 / step,
             "speedup": tau * plain / step}
 
 
 def serving_table(target: ModelCost, head: ModelCost, device: DeviceProfile, taus: dict[int, float], context: int,
-                  bytes_per_param: float = 2.0, batches=BATCHES) -> list[dict]:
-    """Per batch size: predicted tokens/s without speculation, with each measured k, and the best k."""
+                  bytes_per_param: float = 2.0, batches=BATCHES, trees: dict[tuple, float] | None = None) -> list[dict]:
+    """Per batch size: predicted tokens/s without speculation, the speed-up with each measured k (and each
+    measured tree, (steps, topk, num_draft_tokens) -> tau), and the best setting."""
     out = []
     for b in batches:
         rows = [predict_speedup(target, head, device, b, k, t, context, bytes_per_param) for k, t in sorted(taus.items())]
-        best = max(rows, key=lambda r: r["speedup"])
-        out.append({"batch": b, "target_only_tokens_per_s": rows[0]["tokens_per_s"],
-                    "speedup_by_k": {r["k"]: r["speedup"] for r in rows}, "best_k": best["k"],
+        tree_rows = [predict_speedup(target, head, device, b, tree[0], t, context, bytes_per_param, tree)
+                     for tree, t in (trees or {}).items()]
+        best = max(rows + tree_rows, key=lambda r: r["speedup"])
+        out.append({"batch": b, "target_only_tokens_per_s": (rows or tree_rows)[0]["tokens_per_s"],
+                    "speedup_by_k": {r["k"]: r["speedup"] for r in rows},
+                    "speedup_by_tree": {tree_label(r["tree"]): r["speedup"] for r in tree_rows},
+                    "best_k": best["k"] if best["tree"] is None else None,
+                    "best": tree_label(best["tree"]) if best["tree"] else f"k={best['k']}",
                     "best_speedup": best["speedup"]})
     return out
 
@@ -296,14 +325,17 @@ def validation_prediction(target_config, head_cfg, entries: list[dict], mean_con
     for e in entries:
         if e["drafter"] != "head" or device is None:
             continue
-        p = predict_speedup(target, head, device, batch, e["k"], e["tau"], context, bytes_per_param)
-        checks.append({"k": e["k"], "temperature": e["temperature"], "tau": e["tau"], "measured": e["speedup"],
-                       "predicted": p["speedup"], "error": p["speedup"] / e["speedup"] - 1})
-    greedy = {e["k"]: e["tau"] for e in entries if e["drafter"] == "head" and e["temperature"] == 0}
+        tree = tuple(e["tree"]) if e.get("tree") else None
+        p = predict_speedup(target, head, device, batch, e["k"], e["tau"], context, bytes_per_param, tree)
+        checks.append({"k": e["k"], "tree": e.get("tree"), "temperature": e["temperature"], "tau": e["tau"],
+                       "measured": e["speedup"], "predicted": p["speedup"], "error": p["speedup"] / e["speedup"] - 1})
+    greedy = [e for e in entries if e["drafter"] == "head" and e["temperature"] == 0]
+    chains = {e["k"]: e["tau"] for e in greedy if not e.get("tree")}
+    trees = {tuple(e["tree"]): e["tau"] for e in greedy if e.get("tree")}
     out = {"device": asdict(device) if device else None, "context": context, "checks": checks}
     if greedy:
         out["serving"] = {"profile": asdict(PROFILES[serving]), "dtype": "bfloat16",
-                          "table": serving_table(target, head, PROFILES[serving], greedy, context, 2.0)}
+                          "table": serving_table(target, head, PROFILES[serving], chains, context, 2.0, trees=trees)}
     return out
 
 
@@ -314,16 +346,21 @@ def format_prediction(pred: dict) -> str:
         lines.append(f"predicted against measured on this machine ({d['name']}: {d['bandwidth_gb_s']:.0f} GB/s, "
                      f"{d['tflops']:.2f} TFLOP/s, {d['fixed_ms']:.2f} ms + {d['per_layer_ms']:.2f} ms/layer per forward)")
         for c in pred["checks"]:
-            lines.append(f"    T={c['temperature']:g} k={c['k']}: measured {c['measured']:.2f}x, predicted "
+            what = tree_label(c["tree"]) if c.get("tree") else f"k={c['k']}"
+            lines.append(f"    T={c['temperature']:g} {what}: measured {c['measured']:.2f}x, predicted "
                          f"{c['predicted']:.2f}x ({c['error']:+.0%})")
     s = pred.get("serving")
     if s:
-        ks = sorted(s["table"][0]["speedup_by_k"], key=int)
+        first = s["table"][0]
+        ks = sorted(first["speedup_by_k"], key=int)
+        trees = list(first.get("speedup_by_tree", {}))
         lines.append(f"predicted speed-up serving on {s['profile']['name']} (bf16, {s['profile']['source']}), "
                      f"greedy τ as measured, context {pred['context']}:")
         lines.append("  " + f"{'batch':>6}{'target tok/s':>14}" + "".join(f"{'k=' + str(k):>8}" for k in ks)
-                     + f"{'best':>8}")
+                     + "".join(f"{t:>14}" for t in trees) + f"{'best':>14}")
         for r in s["table"]:
+            best = r.get("best") or f"k={r['best_k']}"
             lines.append("  " + f"{r['batch']:>6}{r['target_only_tokens_per_s']:>14,.0f}"
-                         + "".join(f"{r['speedup_by_k'][k]:>7.2f}x" for k in ks) + f"{'k=' + str(r['best_k']):>8}")
+                         + "".join(f"{r['speedup_by_k'][k]:>7.2f}x" for k in ks)
+                         + "".join(f"{r['speedup_by_tree'][t]:>13.2f}x" for t in trees) + f"{best:>14}")
     return "\n".join(lines)
