@@ -62,7 +62,9 @@ def test_pipeline_runs_every_stage_and_ends_with_the_validation_table(tmp_path, 
     for name in ("hf-mtp", "hf-mtp-stitched"):
         assert (tmp_path / "export" / name / "README.md").is_file()
     tail = out[out.rindex("export: wrote"):]
-    assert "validation of" in tail and tail.rstrip().splitlines()[-1].split()[0] in ("head", "draft")  # table last
+    # the validation table comes last: the decoding rows, the trees, then the predicted serving table (b = 64 last)
+    assert "validation of" in tail and any(line.startswith("  head ") for line in tail.splitlines())
+    assert "predicted speed-up serving on" in tail and tail.rstrip().splitlines()[-1].split()[0] == "64"
 
 
 def test_generate_takes_bare_keys_and_a_prompt_as_typed(tmp_path, capsys):
