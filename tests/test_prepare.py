@@ -356,3 +356,113 @@ def test_tiny_recipe_end_to_end(tmp_path, tok):
             assert text[: -len("<|eot_id|>")] in answers
             complete += 1
     assert complete > 0
+
+
+class _StubOpenAI:
+    """An OpenAI-compatible completions server on 127.0.0.1 (a thread): the reply names the prompt's length and
+    seed; `fail` lists how many times each prompt length answers 503 first."""
+
+    def __init__(self, fail: int = 0, always: int | None = None):
+        import http.server
+        import threading
+
+        stub = self
+        self.requests, self.fail, self.always = [], fail, always
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, {"data": [{"id": "tiny-target"}]} if self.path == "/v1/models" else {})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.requests.append(body)
+                if stub.always is not None:
+                    return self._send(stub.always, {"error": "broken"})
+                seen = sum(len(r["prompt"]) == len(body["prompt"]) for r in stub.requests)
+                if seen <= stub.fail:
+                    return self._send(503, {"error": "busy"})
+                self._send(200, {"choices": [{"text": f"reply to {len(body['prompt'])} tokens, seed {body['seed']}"}],
+                                 "usage": {"completion_tokens": 7}})
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def test_regenerate_through_an_openai_compatible_server(tmp_path, tok, monkeypatch):
+    """data.regenerate_server: the prompts go to POST /completions as token ids with the chat template applied,
+    the model named by GET /models, a transient 503 is retried, and the replies land in the dataset."""
+    import mtp_train.data.regenerate as regen
+
+    monkeypatch.setattr(regen.Server, "__init__", _fast_backoff(regen.Server.__init__))
+    convs = [{"messages": [{"role": "user", "content": "q" * (i + 1)}, {"role": "assistant", "content": "ORIGINAL"}]}
+             for i in range(3)]
+    path = _write_jsonl(tmp_path / "c.jsonl", convs)
+    stub = _StubOpenAI(fail=1)
+    try:
+        m = prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], "data.regenerate=true",
+                          f"data.regenerate_server={stub.url}", "data.regen_max_new_tokens=9",
+                          "data.regen_concurrency=2", "seed=5"))
+    finally:
+        stub.close()
+    assert m["regenerate"]["engine"] == f"server {stub.url} (model tiny-target)"
+    assert m["regenerate"]["turns"] == 3 and m["regenerate"]["generated_tokens"] == 21
+    ok = stub.requests
+    assert len(ok) == 6  # each prompt failed once (503) and was retried
+    prompts = {tuple(tok.apply_chat_template(c["messages"][:1], add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)) for c in convs}
+    assert {tuple(r["prompt"]) for r in ok} == prompts
+    assert all(r["model"] == "tiny-target" and r["max_tokens"] == 9 and r["temperature"] == 0.0 for r in ok)
+    ds = datasets.load_from_disk(str(tmp_path / "run" / "data" / "train"))
+    texts = sorted(tok.decode(ids) for ids in ds["input_ids"])
+    assert all("reply to" in t and "ORIGINAL" not in t for t in texts)
+    assert {int(t.split("seed ")[1].split("<")[0]) for t in texts} == {5, 6, 7}  # the run's seed + conversation
+
+
+def _fast_backoff(init):
+    def fast(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.backoff = 0.01
+    return fast
+
+
+def test_regenerate_server_errors_write_nothing(tmp_path, monkeypatch):
+    import socket
+
+    import mtp_train.data.regenerate as regen
+
+    monkeypatch.setattr(regen.Server, "__init__", _fast_backoff(regen.Server.__init__))
+    path = _write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "q"},
+                                                             {"role": "assistant", "content": "a"}]}])
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=rf"data.regenerate_server=http://127.0.0.1:{port}/v1: cannot reach it"):
+        prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], "data.regenerate=true",
+                      f"data.regenerate_server=http://127.0.0.1:{port}/v1"))
+    stub = _StubOpenAI(always=500)
+    try:
+        with pytest.raises(ValueError, match=r"the reply for .*c.jsonl:1, assistant turn 1 failed after 3 attempts "
+                                             r"\(HTTP 500"):
+            prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], "data.regenerate=true",
+                          f"data.regenerate_server={stub.url}", "data.regen_retries=2"))
+    finally:
+        stub.close()
+    assert len(stub.requests) == 3
+    assert not (tmp_path / "run" / "data").exists()
+    with pytest.raises(ValueError, match="expected an http"):
+        _cfg(tmp_path, [], "data.regenerate_server=localhost:8000")

@@ -8,31 +8,16 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from mtp_train.inference import (CausalLMRunner, HeadDrafter, LMDrafter, SamplingConfig, SpeculativeDecoder,
-                                 generate, left_pad, load_runner)
+from mtp_train.inference import CausalLMRunner, LMDrafter, SamplingConfig, SpeculativeDecoder, generate, left_pad
 from mtp_train.inference import tree as tree_module
 from mtp_train.inference.cache import SlotCache
 from mtp_train.inference.tree import DraftTree, TreeConfig, grow, select
 from mtp_train.model.head import DraftHead, HeadConfig
-from mtp_train.model.target import TargetConfig
+
+from test_inference import draft_lm, head_drafter, target  # noqa: E402,F401  (the engine tests' fixtures)
 
 NEW = 12  # new tokens per prompt
 SETTINGS = [TreeConfig(3, 2, 4), TreeConfig(4, 3, 8)]
-
-
-@pytest.fixture(scope="module")
-def target(tiny_dir):
-    return load_runner(str(tiny_dir / "target"), TargetConfig(path=str(tiny_dir / "target"), device="cpu"))
-
-
-@pytest.fixture(scope="module")
-def draft_lm(tiny_dir, target):
-    runner = load_runner(str(tiny_dir / "draft"), TargetConfig(path=str(tiny_dir / "draft"), device="cpu"), "draft")
-    return LMDrafter(runner, target.vocab_size)
-
-
-def head_drafter(head, target):
-    return HeadDrafter(head.eval(), target.model.get_input_embeddings(), target.lm_head)
 
 
 @pytest.fixture(scope="module")

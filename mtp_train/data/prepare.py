@@ -52,6 +52,13 @@ class DataConfig:
     regen_temperature: float = 0.0  # 0 = greedy
     regen_max_new_tokens: int = 256
     regen_batch_size: int = 8
+    # an OpenAI-compatible server (vLLM, SGLang) that serves the run's target, e.g. http://127.0.0.1:8000/v1: the
+    # replies come from it instead of our engine (the regen_* settings below only apply to it)
+    regenerate_server: str = ""
+    regen_model: str = ""  # the served model's name; "" = the server's first (GET /models)
+    regen_concurrency: int = 16  # requests in flight
+    regen_timeout: float = 300.0  # seconds per request
+    regen_retries: int = 3  # attempts after the first, with exponential backoff (1 s, 2 s, 4 s ...)
     overwrite: bool = False  # replace an existing run_dir/data made with another config
 
     def __post_init__(self) -> None:
@@ -63,6 +70,12 @@ class DataConfig:
             raise ValueError(f"data.max_length must be at least 2, got {self.max_length}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.regenerate_server and not self.regenerate_server.startswith(("http://", "https://")):
+            raise ValueError(f"data.regenerate_server={self.regenerate_server!r}: expected an http(s) URL of an "
+                             "OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1")
+        if self.regen_concurrency < 1 or self.regen_retries < 0 or self.regen_timeout <= 0:
+            raise ValueError(f"data.regen_concurrency={self.regen_concurrency} (>= 1), data.regen_retries="
+                             f"{self.regen_retries} (>= 0), data.regen_timeout={self.regen_timeout} (> 0)")
 
 
 def tokenizer_hash(path: str | Path) -> str:
@@ -77,7 +90,12 @@ def tokenizer_hash(path: str | Path) -> str:
 def config_hash(cfg: "RunConfig", sources: list) -> str:
     """What decides the dataset's content: the data config, the seed, the tokenizer, the sources' bytes and,
     when the target rewrites the replies, the target itself."""
-    payload = {"data": {k: v for k, v in asdict(cfg.data).items() if k != "overwrite"}, "seed": cfg.seed,
+    # how it is made, not what: left out; the server settings only when set (a dataset prepared before they
+    # existed keeps its hash)
+    how = ("overwrite", "regen_concurrency", "regen_timeout", "regen_retries")
+    data = {k: v for k, v in asdict(cfg.data).items()
+            if k not in how and not (k in ("regenerate_server", "regen_model") and not v)}
+    payload = {"data": data, "seed": cfg.seed,
                "tokenizer": tokenizer_hash(cfg.target.path), "sources": sources}
     if cfg.data.regenerate:
         payload["target"] = {"fingerprint": target_fingerprint(cfg.target.path), "dtype": cfg.target.dtype}

@@ -4,7 +4,8 @@ in vLLM's venv, which has no mtp_train) read only files: the export directories 
 
     python tests/serving/prepare.py OUT_DIR [--steps 60]
 
-manifest.json: the target's path, the prompts (token ids), the new-token budget, and per case (a layout and the
+manifest.json: the target's path, the prompts (token ids), the new-token budget, the in-process regeneration
+of 48 tiny conversations (`regen-ours/data`, to compare with the same through a vLLM server), and per case (a layout and the
 method vLLM serves it with) the export directory, k, and what our engine did on the same prompts, greedy: the
 tokens of the target alone and with the head, verification steps and accepted drafts by position. Reruns
 reuse finished runs (a run dir with an export is not trained again).
@@ -19,6 +20,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# regeneration, in-process here and through a vLLM server in the test: the tiny recipe cut to 48 conversations
+REGEN = ["data.sources.0.limit=2", "data.sources.1.limit=48", "data.sources.2.limit=1", "data.sources.3.limit=8",
+         "data.regenerate=true", "data.regen_max_new_tokens=64"]
 K = 3
 NEW_TOKENS = 48  # benchmarks/vllm_generate.py decodes as many
 PROMPTS = 8
@@ -94,6 +98,11 @@ def main() -> None:
         manifest["cases"].append({"case": case, "method": method, "draft": str(export / sub), "k": K,
                                   "ours": decoded[run_dir]})
         print(f"{case}: exported to {export / sub}", flush=True)
+    regen = out / "regen-ours"
+    if not (regen / "data" / "manifest.json").exists():
+        mtp_train("prepare", "recipe=tiny", f"run_dir={regen}", "target.device=cpu", *REGEN)
+    manifest["regenerate"] = {"overrides": REGEN, "ours": str(regen / "data"), "mtp_train": str(Path(sys.executable)
+                              .with_name("mtp-train")), "python": sys.executable}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"wrote {out / 'manifest.json'}")
 

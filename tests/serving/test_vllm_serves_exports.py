@@ -90,3 +90,54 @@ def test_vllm_serves_the_export_greedy_identical_and_drafts_as_we_do(case):
     assert identical == len(base["tokens"]), f"{case}: {identical}/{len(base['tokens'])} prompts identical"
     assert all(abs(a - b) <= TOLERANCE for a, b in zip(theirs_rate, ours_rate)), \
         f"{case}: acceptance by position vLLM {theirs_rate} against ours {ours_rate}"
+
+
+def test_regenerate_through_a_vllm_server():
+    """`data.regenerate_server` against `vllm serve` on 127.0.0.1 serving the tiny target: prepare (our CLI, our
+    venv) regenerates the same 48 conversations the in-process engine did; greedy, the datasets agree."""
+    import socket
+    import time
+    import urllib.request
+
+    regen = MANIFEST["regenerate"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(DIR / "vllm-serve.log", "w")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                               MANIFEST["target"], "--served-model-name", "tiny-target", "--host", "127.0.0.1",
+                               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len",
+                               "1024"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.time() + 600
+        while True:
+            assert server.poll() is None, f"vllm serve exited {server.returncode}: see {DIR / 'vllm-serve.log'}"
+            try:
+                urllib.request.urlopen(url + "/models", timeout=5)
+                break
+            except OSError:
+                assert time.time() < deadline, "vllm serve did not answer within 600 s"
+                time.sleep(3)
+        run_dir = DIR / "regen-vllm"
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        t0 = time.perf_counter()
+        subprocess.run([regen["mtp_train"], "prepare", "recipe=tiny", f"run_dir={run_dir}", "target.device=cpu",
+                        *regen["overrides"], f"data.regenerate_server={url}", "data.regen_concurrency=16"],
+                       check=True, timeout=1200)
+        seconds = time.perf_counter() - t0
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    same = json.loads(subprocess.run([regen["python"], str(ROOT / "tests" / "serving" / "same_replies.py"),
+                                      regen["ours"], str(run_dir / "data")], check=True, capture_output=True,
+                                     text=True).stdout)
+    ours, theirs = same["regenerate"]
+    record("regenerate", {"ours": ours, "vllm": theirs, "prepare_seconds": seconds,
+                          **{k: v for k, v in same.items() if k != "regenerate"}})
+    assert theirs["engine"] == f"server {url} (model tiny-target)" and theirs["turns"] == ours["turns"]
+    for split in ("train", "val"):
+        if split in same:
+            assert same[split]["samples"] == same[split]["other"]
+            assert same[split]["identical"] >= 0.9 * same[split]["samples"], same
