@@ -46,10 +46,9 @@ def trained_head(trained_run, tiny_run_config, target):
     return load_head(tiny_run_config(trained_run), target)[0]
 
 
-@pytest.fixture(scope="module")
-def prompts(tiny_dir):
-    """Held-out prompts: 4 function-writing conversations cut at the assistant turn, 4 code snippets of
-    different lengths (validation files, never trained on)."""
+def held_out(tiny_dir, conversations: int, code_lengths: tuple[int, ...]) -> list[list[int]]:
+    """Held-out prompts (validation files, never trained on): the first `conversations` function-writing
+    conversations cut at the assistant turn, then code snippets of `code_lengths` tokens."""
     tok = load_tokenizer(tiny_dir / "target")
     files = list_files("validation")
     chats = []
@@ -58,10 +57,15 @@ def prompts(tiny_dir):
             t = tokenize_conversation(tok, conv)
             chats.append(t.input_ids[:t.loss_mask.index(1)])
             break
-        if len(chats) == 4:
+        if len(chats) == conversations:
             break
-    code = [tok(f.read()[:400])["input_ids"][:n] for f, n in zip(files[10:14], (3, 11, 24, 40))]
-    return chats + code
+    return chats + [tok(f.read()[:400])["input_ids"][:n] for f, n in zip(files[10:], code_lengths)]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_dir):
+    """4 function-writing conversations cut at the assistant turn, 4 code snippets of different lengths."""
+    return held_out(tiny_dir, 4, (3, 11, 24, 40))
 
 
 @pytest.fixture(scope="module")

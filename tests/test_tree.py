@@ -14,7 +14,7 @@ from mtp_train.inference.cache import SlotCache
 from mtp_train.inference.tree import DraftTree, TreeConfig, grow, select
 from mtp_train.model.head import DraftHead, HeadConfig
 
-from test_inference import draft_lm, head_drafter, target  # noqa: E402,F401  (the engine tests' fixtures)
+from test_inference import draft_lm, head_drafter, held_out, target  # noqa: E402,F401  (the engine tests' fixtures)
 
 NEW = 12  # new tokens per prompt
 SETTINGS = [TreeConfig(3, 2, 4), TreeConfig(4, 3, 8)]
@@ -39,21 +39,7 @@ def trained_head(trained_run, tiny_run_config, target):
 def prompts(tiny_dir):
     """Held-out prompts: 2 function-writing conversations cut at the assistant turn (where the trained head
     drafts well) and 2 code snippets of different lengths."""
-    from mtp_train.data.chat import tokenize_conversation
-    from mtp_train.data.stdlib import function_conversations, list_files
-    from mtp_train.model.target import load_tokenizer
-
-    tok = load_tokenizer(tiny_dir / "target")
-    files = list_files("validation")
-    chats = []
-    for f in files:
-        for conv in function_conversations(f.read(), max_chars=600):
-            t = tokenize_conversation(tok, conv)
-            chats.append(t.input_ids[:t.loss_mask.index(1)])
-            break
-        if len(chats) == 2:
-            break
-    return chats + [tok(f.read()[:400])["input_ids"][:n] for f, n in zip(files[10:12], (5, 24))]
+    return held_out(tiny_dir, 2, (5, 24))
 
 
 @pytest.fixture(scope="module")
