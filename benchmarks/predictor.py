@@ -114,6 +114,8 @@ def cpu_forward_section(config_dir: Path, batches, contexts, news) -> dict:
 
 
 def speedup_section(paths: list[Path]) -> list[dict]:
+    from mtp_train.inference.tree import tree_label
+
     out = []
     for path in paths:
         if not path.exists():
@@ -132,7 +134,7 @@ def speedup_section(paths: list[Path]) -> list[dict]:
         print(f"  {'setting':<14}{'T':>4}{'tau':>7}{'measured':>10}{'predicted':>11}{'error':>8}")
         rows = []
         for c in checks:
-            setting = ("tree " + "/".join(map(str, c["tree"]))) if c.get("tree") else f"k={c['k']}"
+            setting = tree_label(c["tree"]) if c.get("tree") else f"k={c['k']}"
             rows.append({"setting": setting, **c})
             print(f"  {setting:<14}{c['temperature']:>4g}{c['tau']:>7.2f}{c['measured']:>9.2f}x{c['predicted']:>10.2f}x"
                   f"{c['error']:>+8.0%}")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mtp_train.inference import SamplingConfig, TreeConfig, generate, load_runner
+from mtp_train.inference.tree import tree_label
 from mtp_train.inference.load import SPECULATIVE, check_drafter, encode_prompt, load_drafter, stop_tokens
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ def run(cfg: "RunConfig") -> dict:
     print(text)
     t = g.tree_config
     how = "target only" if drafter is None else (
-        f"{g.speculative}, tree {t.steps}/{t.topk}/{t.num_draft_tokens}" if t else f"{g.speculative}, k={g.k}")
+        f"{g.speculative}, {tree_label(t)}" if t else f"{g.speculative}, k={g.k}")
     accept = " ".join(f"{a:.2f}" for a in s.acceptance_by_position)
     by = "depth" if t else "position"
     print(f"\n[{s.new_tokens} tokens, {how}: tau {s.tau:.2f} tokens per target forward"

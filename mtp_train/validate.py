@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mtp_train.inference import CausalLMRunner, Drafter, HeadDrafter, SamplingConfig, TreeConfig, generate, load_runner
+from mtp_train.inference.tree import tree_label
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
@@ -199,7 +200,7 @@ def decoding(cfg: "RunConfig", target: CausalLMRunner, drafters: dict[str, Draft
                     e["acceptance_by_depth"] = s.acceptance_by_position
                     tree_entries.append(e)
                 block.append(e)
-                what = f"tree {tree.steps}/{tree.topk}/{tree.num_draft_tokens}" if tree else f"k={k}"
+                what = tree_label(tree) if tree else f"k={k}"
                 say(f"validate: {name} T={t:g} {what}: tau {s.tau:.2f}, {s.tokens_per_s:.1f} tokens/s")
             after = target_round(t)  # the next round: this block's speeds divide by the mean of both sides
             for e in block:
@@ -260,7 +261,7 @@ def format_table(report: dict) -> str:
                      f"{'tok/s':>8}{'speed-up':>10}  greedy = target")
         for e in trees:
             acc = " ".join(f"{a:.2f}" for a in e["acceptance_by_depth"])
-            setting = "/".join(map(str, e["tree"]))
+            setting = tree_label(e["tree"]).removeprefix("tree ")
             c = chain.get((e["drafter"], e["temperature"], e["tree"][2] - 1))
             lines.append(f"  {setting:<10}{e['drafter']:<8}{e['temperature']:>4g}{e['tau']:>7.2f}{_fmt(c, '7.2f')}  "
                          f"{acc:<30}{e['tokens_per_s']:>8.1f}{e['speedup']:>9.2f}x{_flag(e)} {_identical(e)}")
@@ -320,7 +321,7 @@ def draw_tau(ax_tau, ax_speed, report: dict) -> None:
         ax_tau.plot(ks, [e["tau"] for e in es], style, marker="o", label=_label(name, t))
         ax_speed.plot(ks, [e["speedup"] for e in es], style, marker="o", label=_label(name, t))
     for e in report.get("tree_decoding") or []:  # a tree at the chain's x that verifies as many tokens
-        label = f"{_label(e['drafter'], e['temperature'])}, tree {'/'.join(map(str, e['tree']))}"
+        label = f"{_label(e['drafter'], e['temperature'])}, {tree_label(e['tree'])}"
         x = e["tree"][2] - 1
         ax_tau.plot([x], [e["tau"]], linestyle="none", marker="*", markersize=10, label=label)
         ax_speed.plot([x], [e["speedup"]], linestyle="none", marker="*", markersize=10, label=label)

@@ -47,6 +47,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
+from mtp_train.inference.tree import tree_label
+
 BATCHES = (1, 4, 16, 64)
 BANDWIDTH_FRACTION = 4242 / 4800  # what the copy probe reached on an H200 (benchmarks/RESULTS.md `gpu`)
 MATMUL_FRACTION = 782 / 989  # what an 8192^3 bf16 GEMM reached there
@@ -224,11 +226,6 @@ def tree_ms(target: ModelCost, head: ModelCost, device: DeviceProfile, batch: in
     return (forward_ms(target, device, batch, n, context, bytes_per_param)
             + forward_ms(head, device, batch, catch_up, context, bytes_per_param)
             + (steps - 1) * forward_ms(head, device, batch, topk, context, bytes_per_param))
-
-
-def tree_label(tree) -> str:
-    """(steps, topk, num_draft_tokens) -> "tree 5/4/8", SGLang's three numbers in its order."""
-    return "tree " + "/".join(str(x) for x in tree)
 
 
 def predict_speedup(target: ModelCost, head: ModelCost, device: DeviceProfile, batch: int, k: int, tau: float,

@@ -41,6 +41,13 @@ import torch
 from mtp_train.inference.sampling import sample
 
 
+def tree_label(tree) -> str:
+    """A TreeConfig or its (steps, topk, num_draft_tokens) as a report writes it -> "tree 5/4/8"."""
+    if isinstance(tree, TreeConfig):
+        tree = (tree.steps, tree.topk, tree.num_draft_tokens)
+    return "tree " + "/".join(str(x) for x in tree)
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """SGLang's settings: `steps` drafter depths, `topk` branching, `num_draft_tokens` tokens verified per
