@@ -36,8 +36,9 @@ test: $(STAMP)
 
 # vLLM serves our exports (tests/serving): its CPU build pins torch==2.13.0+cpu and transformers<5.20, so it gets
 # its own venv; the torchvision/torchaudio/torchcodec it pulls do not match that torch and break `import vllm`,
-# so they are removed. Step 1 (our venv) trains small heads on the tiny target, exports them and decodes the
-# held-out prompts with our engine; step 2 (vLLM's venv) serves each export and compares, reading only files.
+# so they are removed. Step 1 (our venv) trains small heads on the tiny target (and on SmolLM2 when it is fetched),
+# builds a tiny DeepSeek-V2 target, exports every layout vLLM reads and decodes held-out prompts with our engine;
+# step 2 (vLLM's venv) serves each export and compares, reading only files.
 VLLM_VENV   ?= .venv-vllm
 VLLM_STAMP  := $(VLLM_VENV)/.vllm-installed
 SERVING_DIR ?= runs/serving

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from mtp_train.data.prepare import DataConfig
@@ -232,7 +232,25 @@ def to_run_config(cfg: DictConfig, recipe: str) -> RunConfig:
     except (OmegaConfBaseException, ValueError) as e:
         ours = [c for c in _exception_chain(e) if isinstance(c, ValueError) and not isinstance(c, OmegaConfBaseException)]
         cause = ours[0] if ours else e
-        raise ConfigError(f"recipe {recipe!r}: {str(cause).splitlines()[0]}") from e
+        where = _failing_list_entry(cfg)  # a typed list entry's own check does not know its place
+        raise ConfigError(f"recipe {recipe!r}: {where + ': ' if where else ''}{str(cause).splitlines()[0]}") from e
+
+
+def _failing_list_entry(node, path: str = "") -> str | None:
+    """The key of the first entry of a list of typed configs (e.g. `validate.trees[1]`) that fails on its own."""
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            found = _failing_list_entry(node._get_node(key), f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            if isinstance(item, DictConfig) and OmegaConf.get_type(item) not in (dict, None):
+                try:
+                    OmegaConf.to_object(item)
+                except (OmegaConfBaseException, ValueError):
+                    return f"{path}[{i}]"
+    return None
 
 
 def _is_missing(cfg: DictConfig, key: str) -> bool:

@@ -5,7 +5,7 @@ counts, stop tokens and lengths are honoured, and sampled decoding reproduces th
 
 import pytest
 import torch
-from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from mtp_train.data.chat import tokenize_conversation
 from mtp_train.data.stdlib import function_conversations, list_files
@@ -267,3 +267,27 @@ def test_sampled_speculative_decoding_reproduces_the_target(which):
     assert chi_square_p_value(torch.bincount(cells, minlength=VOCAB ** 3), joint) > 1e-3
     accept = out.stats.acceptance_by_position
     assert out.stats.drafted[0] >= ROWS and 0.05 < accept[0] < 0.95  # drafts were both kept and rejected
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v2"])
+def test_other_families_decode_as_transformers_does(family, tmp_path):
+    """The engine on Qwen3 and DeepSeek-V2 (MLA: keys and values of different widths, a rotary embedding that
+    views its inputs as complex numbers) targets: target-only greedy output is transformers' own, and with a
+    head drafting it is unchanged (a random head, k = 2: its rare accepted drafts and many rejections)."""
+    from test_head import tiny_configs
+
+    config = tiny_configs()[family]
+    config.initializer_range = 0.3  # peaked logits: no near-ties for the two summation orders to split
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    runner = load_runner(str(tmp_path), TargetConfig(path=str(tmp_path), device="cpu"))
+    prompts = [[3, 17, 88, 40, 5], [61, 9, 2, 33, 70, 12, 8, 99, 1, 4, 50]]
+    ours = generate(runner, prompts, max_new_tokens=NEW, stop_tokens=set())
+    for p, got in zip(prompts, ours.tokens):
+        ids = torch.tensor([p])
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                            min_new_tokens=NEW)
+        assert hf[0, len(p):].tolist() == got
+    drafter = head_drafter(DraftHead(config), runner)
+    assert generate(runner, prompts, drafter=drafter, k=2, max_new_tokens=NEW, stop_tokens=set()).tokens == ours.tokens

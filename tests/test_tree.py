@@ -64,6 +64,12 @@ def test_tree_config_refuses_what_cannot_be_built():
                          ((1, 3, 5), r"and 1 \+ 3"), ((2.0, 2, 4), r"tree.steps=2.0: expected an integer")]:
         with pytest.raises(ValueError, match=message):
             TreeConfig(*bad)
+    # in a recipe, the error names the list entry
+    from mtp_train.config import ConfigError, compose
+
+    with pytest.raises(ConfigError, match=r"validate.trees\[1\]: tree.num_draft_tokens=9: must be between 2"):
+        compose("tiny", ["run_dir=r", "validate.trees=[{steps:2,topk:2,num_draft_tokens:3},"
+                                      "{steps:2,topk:2,num_draft_tokens:9}]"])
     assert TreeConfig(4, 3, 8).shallower(1) == TreeConfig(1, 3, 4)
     assert TreeConfig(4, 3, 8).shallower(2) == TreeConfig(2, 3, 8)
 

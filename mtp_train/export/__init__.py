@@ -20,6 +20,9 @@ A head trained with a draft vocabulary (`head.draft_vocab`) is exported without 
 layouts: the others have none (their engines draft with the target's full lm_head), so `d2t` / `t2d` are left
 out and the card says so. The EAGLE-3 directories are read back by loaders that follow each engine
 (`eagle3.read_engine`) and must give the trained head's logits over the target vocabulary exactly.
+
+`engine_check.py` serves an export in vLLM (its own venv) beside our engine on the run's held-out prompts and
+adds the side-by-side acceptance to the card (`python -m mtp_train.export.engine_check --help`).
 """
 
 from __future__ import annotations
@@ -160,6 +163,7 @@ def run(cfg: "RunConfig") -> list[Path]:
     import yaml
 
     from mtp_train.export.card import CardInputs, model_card
+    from mtp_train.export.engine_check import card_addendum
     from mtp_train.export.write import (CARD, EXPORT_JSON, check_replaceable, check_round_trip, is_up_to_date,
                                         listing, read_back, staged)
     from mtp_train.files import space_for, write_atomic, write_json
@@ -211,7 +215,7 @@ def run(cfg: "RunConfig") -> list[Path]:
     for name, layout, write, exact, out, identity in jobs:
         written.append(out)
         if is_up_to_date(out, identity):
-            text = model_card(name, out, listing(out), card)
+            text = model_card(name, out, listing(out), card) + card_addendum(out)
             if (out / CARD).is_file() and (out / CARD).read_text() == text:
                 print(f"export: {out} is up to date (same checkpoint, target and dtype); nothing to do")
             else:  # same weights, newer figures (validation report, data manifest)

@@ -173,25 +173,21 @@ SGLang's EAGLE `fc` always has a bias (zeros here when the head was trained with
 `eagle-vllm` beside this directory."""
     if layout in ("eagle3", "eagle3-speculators"):
         return _serving_eagle3(layout, out, c)
-    return f"""**vLLM** (`DeepSeekMTPModel`, the NextN layout of DeepSeek-V3's MTP module; this directory's
-`config.json` names the architecture and makes layer {n} dense, as the head is):
+    return f"""The NextN layout of DeepSeek-V3's MTP module (`model.layers.{n}.*`, `DeepSeekMTPModel`; this
+directory's `config.json` makes layer {n} dense, as the head is). **No serving engine we know of loads it as it
+stands**, which is why it is written but not the default advice:
 
-```bash
-vllm serve {target} --trust-remote-code \\
-    --speculative-config '{{"method": "deepseek_mtp", "model": "{out}", "num_speculative_tokens": 1}}'
-```
+- **vLLM** 0.32 (its CPU build, tried by `make test-serving`, which records the error):
+  `--speculative-config '{{"method": "mtp", "model": "{out}", "num_speculative_tokens": 1}}'` is refused
+  (`Unsupported speculative method`: vLLM maps `deepseek_v3` drafts to its MTP model, not `deepseek_v2`
+  ones), and its `DeepSeekMTP` builds the layer from the *target's* config (`num_nextn_predict_layers`,
+  an MoE MLP past `first_k_dense_replace`): vLLM serves DeepSeek MTP layers from the target's own checkpoint,
+  as DeepSeek-V3 ships them.
+- **SGLang** builds its NextN layer with the MoE MLP whatever the config says
+  (python/sglang/srt/models/deepseek_v2.py, `_is_layer_sparse`), and **transformers** builds MTP layers
+  of DeepSeek models as MoE too (`get_mtp_config` sets `first_k_dense_replace = 0`).
 
-Untested in vLLM itself (the key names and config fields follow vllm/model_executor/models/deepseek_mtp.py;
-vLLM's own config override renames `deepseek_v3` targets to `deepseek_mtp`, not `deepseek_v2` ones, so this
-directory relies on its `architectures` and `n_predict`): check the first run's acceptance against the figures
-above. With `num_speculative_tokens` > 1 vLLM feeds the layer's output *before* `shared_head.norm` back into it,
-while this head was trained on its normed output (as transformers' MTP and SGLang's NextN chain it):
-drafts after the first may be accepted less often.
-
-**SGLang** builds its NextN layer with the MoE MLP whatever the config says
-(python/sglang/srt/models/deepseek_v2.py, `_is_layer_sparse`), and **transformers** builds MTP layers
-of DeepSeek models as MoE too (`get_mtp_config` sets `first_k_dense_replace = 0`); this head's MLP is
-dense (DESIGN §3), so neither can load it: serve it with vLLM."""
+This head's MLP is dense (DESIGN §3); an MoE head for DeepSeek targets is what would make it servable."""
 
 
 def _serving_eagle3(layout: str, out: Path, c: CardInputs) -> str:

@@ -22,6 +22,9 @@ The key names follow the loaders' own code (read, not guessed):
   `model.layers.N.shared_head.norm` (our `post_norm`), `model.layers.N.shared_head.head` and
   `model.layers.N.embed_tokens` (copies of the target's `lm_head` and embedding, as in DeepSeek-V3's own
   checkpoint), the decoder layer under `model.layers.N.`; `num_nextn_predict_layers` in `config.json`.
+  vLLM 0.32 itself does not serve such a directory beside a DeepSeek-V2 target (`make test-serving` records
+  why: it reads MTP layers from the target's own checkpoint and config, and builds them MoE); the keys are
+  those of DeepSeek-V3's checkpoints, which it and SGLang do load.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from mtp_train.model.frozen import read_tensors, weight_map
 from mtp_train.model.head import DraftHead, HeadConfig, additive_mask
 
 EXPORT_JSON, CARD = "export.json", "README.md"
+ENGINE_CHECK = "engine_check.json"  # export/engine_check.py: vLLM beside our engine, quoted in the card
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 HEAD_SHARD = "model-mtp.safetensors"  # the head's shard in a stitched directory
 
@@ -66,7 +67,7 @@ def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
 def listing(out: Path) -> list[tuple[str, int]]:
     """(name, bytes) of an export directory's files, links marked, for its card (not the card itself)."""
     return sorted((p.name + (" (link)" if p.is_symlink() else ""), p.stat().st_size)
-                  for p in out.iterdir() if p.name not in (CARD, EXPORT_JSON))
+                  for p in out.iterdir() if p.name not in (CARD, EXPORT_JSON, ENGINE_CHECK))
 
 
 def stitch(out: Path, target_dir: Path, head_tensors: dict[str, torch.Tensor], config: dict) -> None:

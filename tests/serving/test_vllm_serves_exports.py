@@ -3,7 +3,7 @@ output token for token its own target-only output, and drafts what our validatio
 
 Reads only files that `tests/serving/prepare.py` wrote with mtp_train's venv (MTP_SERVING_DIR/manifest.json and
 the export directories): no mtp_train import here, as for a user who serves our files. Each vLLM run is a
-subprocess (`benchmarks/vllm_generate.py`): vLLM starts its engine in spawned processes and keeps global
+subprocess (`mtp_train/export/vllm_run.py`, run as a file): vLLM starts its engine in spawned processes and keeps global
 state, so one LLM per process. Writes MTP_SERVING_DIR/results.json (the figures for RESULTS.md)."""
 
 import json
@@ -21,32 +21,40 @@ if not (DIR / "manifest.json").is_file():
                 allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
+VLLM_RUN = ROOT / "mtp_train" / "export" / "vllm_run.py"  # a file run with this venv's Python: no mtp_train import
 MANIFEST = json.loads((DIR / "manifest.json").read_text())
 TOLERANCE = 0.03  # per-position acceptance, absolute: the same greedy math in both engines
+CASES = {c["case"]: c for c in MANIFEST["cases"]}
+# What vLLM 0.32's CPU build gets wrong or cannot do, per case. The tests still run these, record what vLLM did
+# and xfail; they fail the day a vLLM does it right, so that this table (and the model card) is updated.
+TARGET_MISMATCH = {
+    "deepseek-nextn": "vLLM's CPU MLA backend (its docstring: reference quality) decodes a DeepSeek-V2 target "
+                      "otherwise than transformers, from the first token on (benchmarks/RESULTS.md, serving)",
+}
+EXPECTED_FAILURES = {
+    "deepseek-nextn": "vLLM 0.32 serves DeepSeek MTP layers only from the target's own checkpoint: a "
+                      "deepseek_v2 draft is not mapped to its MTP model and DeepSeekMTP reads the target's config "
+                      "(num_nextn_predict_layers, MoE past first_k_dense_replace), where our dense head is not",
+}
 
 
-def vllm(name: str, *spec: str) -> dict:
+def vllm(name: str, case: dict, *spec: str) -> dict:
+    """vLLM's run of the case's prompts (the target alone without `spec`), once per test session."""
     out = DIR / f"vllm-{name}.json"
-    if not out.exists():
-        prompts = DIR / "prompts.json"
-        prompts.write_text(json.dumps(MANIFEST["prompts"]))
+    if not out.exists() or "error" in json.loads(out.read_text()):
+        prompts = DIR / f"prompts-{case['case']}.json"
+        prompts.write_text(json.dumps(case["prompts"]))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_generate.py"), MANIFEST["target"],
-                        str(prompts), str(out), *spec, "--max-tokens", str(MANIFEST["new_tokens"])],
-                       check=True, env=env, timeout=900)
+        with open(DIR / f"vllm-{name}.log", "w") as log:
+            subprocess.run([sys.executable, str(VLLM_RUN), case["target"], str(prompts), str(out), *spec,
+                            "--max-tokens", str(case["new_tokens"])], env=env, timeout=1800, stdout=log,
+                           stderr=subprocess.STDOUT)
+    assert out.exists(), f"{VLLM_RUN} wrote nothing: see {DIR / f'vllm-{name}.log'}"
     return json.loads(out.read_text())
 
 
-def per_position(metrics: dict, k: int) -> tuple[int, list[int]]:
-    """(verification steps, accepted drafts at positions 1..k) from vLLM's spec-decode counters."""
-    drafts = accepted = None
-    for name, value in metrics.items():
-        if name.endswith("spec_decode_num_drafts"):
-            drafts = int(float(value if not isinstance(value, list) else value[0]))
-        if name.endswith("spec_decode_num_accepted_tokens_per_pos"):
-            accepted = [int(float(v)) for v in value]
-    assert drafts is not None and accepted is not None, f"vLLM's metrics lack the spec-decode counters: {metrics}"
-    return drafts, (accepted + [0] * k)[:k]
+def target_only(case: dict) -> dict:
+    return vllm("target-" + Path(case["target"]).name, case)
 
 
 def record(case: str, entry: dict) -> None:
@@ -54,14 +62,6 @@ def record(case: str, entry: dict) -> None:
     results = json.loads(path.read_text()) if path.exists() else {}
     results[case] = entry
     path.write_text(json.dumps(results, indent=1) + "\n")
-
-
-def test_target_alone_agrees_with_ours():
-    base = vllm("target")
-    ours = MANIFEST["cases"][0]["ours"]["target_only_tokens"]
-    same = sum(a == _cut(b, MANIFEST["cases"][0]["ours"]["stop_tokens"]) for a, b in zip(ours, base["tokens"]))
-    record("target", {"prompts": len(ours), "identical_to_ours": same, "seconds": base["seconds"]})
-    assert same == len(ours)
 
 
 def _cut(tokens: list[int], stop: list[int]) -> list[int]:
@@ -72,13 +72,38 @@ def _cut(tokens: list[int], stop: list[int]) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("case", [c["case"] for c in MANIFEST["cases"]])
+# one case per target: those of one target share its prompts and its target-only run
+BY_TARGET = {Path(c["target"]).name: c["case"] for c in reversed(MANIFEST["cases"])}
+
+
+@pytest.mark.parametrize("case", sorted(BY_TARGET.values()))
+def test_vllm_target_alone_agrees_with_ours(case):
+    c = CASES[case]
+    base = target_only(c)
+    assert "error" not in base, f"vLLM could not run the target {c['target']}: {base['error']}"
+    ours = c["ours"]["target_only_tokens"]
+    same = sum(a == _cut(b, c["ours"]["stop_tokens"]) for a, b in zip(ours, base["tokens"]))
+    first = sum(a[:1] == b[:1] for a, b in zip(ours, base["tokens"]))
+    record(f"target {Path(c['target']).name}", {"prompts": len(ours), "identical_to_ours": same,
+                                                "first_token_identical": first, "seconds": base["seconds"]})
+    if case in TARGET_MISMATCH:
+        assert same < len(ours), f"vLLM now decodes {c['target']} as we do: update TARGET_MISMATCH"
+        pytest.xfail(f"{TARGET_MISMATCH[case]}: {same}/{len(ours)} prompts identical")
+    assert same == len(ours), f"{case}: vLLM's target-only output is ours on {same}/{len(ours)} prompts"
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_vllm_serves_the_export_greedy_identical_and_drafts_as_we_do(case):
-    c = next(c for c in MANIFEST["cases"] if c["case"] == case)
-    base = vllm("target")
-    spec = vllm(case, c["method"], c["draft"], str(c["k"]))
+    c = CASES[case]
+    base = target_only(c)
+    spec = vllm(case, c, c["method"], c["draft"], str(c["k"]))
+    if "error" in spec:
+        record(case, {"method": c["method"], "draft": c["draft"], "k": c["k"], "vllm_error": spec["error"]})
+        if case in EXPECTED_FAILURES:
+            pytest.xfail(f"{EXPECTED_FAILURES[case]} (vLLM: {spec['error'][:300]})")
+        pytest.fail(f"vLLM could not serve {c['draft']}: {spec['error']} (log: {DIR / f'vllm-{case}.log'})")
     identical = sum(a == b for a, b in zip(spec["tokens"], base["tokens"]))
-    steps, accepted = per_position(spec["metrics"], c["k"])
+    steps, accepted = spec["steps"], spec["accepted_per_position"]
     ours = c["ours"]
     theirs_rate = [a / steps for a in accepted]
     ours_rate = [a / ours["steps"] for a in ours["accepted_per_position"]]
@@ -87,9 +112,29 @@ def test_vllm_serves_the_export_greedy_identical_and_drafts_as_we_do(case):
                   "ours_steps": ours["steps"], "ours_accepted_per_position": ours["accepted_per_position"],
                   "vllm_acceptance": theirs_rate, "ours_acceptance": ours_rate, "seconds": spec["seconds"],
                   "target_seconds": base["seconds"]})
+    assert case not in EXPECTED_FAILURES, f"vLLM now serves {case}: update EXPECTED_FAILURES and the model card"
     assert identical == len(base["tokens"]), f"{case}: {identical}/{len(base['tokens'])} prompts identical"
     assert all(abs(a - b) <= TOLERANCE for a, b in zip(theirs_rate, ours_rate)), \
         f"{case}: acceptance by position vLLM {theirs_rate} against ours {ours_rate}"
+
+
+def test_engine_check_command_quotes_vllm_in_the_model_card():
+    """`python -m mtp_train.export.engine_check` (our venv) with this venv's vLLM, on the eagle-vllm run: exit 0,
+    the figures this file measured for the case, and the table in the export's model card."""
+    check = MANIFEST["engine_check"]
+    done = subprocess.run([check["python"], "-m", "mtp_train.export.engine_check", "--vllm-python", sys.executable,
+                           "--k", str(check["k"]), "--prompts", str(check["prompts"]), "--new-tokens",
+                           str(check["new_tokens"]), *check["args"]], cwd=ROOT, capture_output=True, text=True,
+                          timeout=3600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    export = Path(check["export"])
+    result = json.loads((export / "engine_check.json").read_text())
+    ours = CASES[check["case"]]["ours"]
+    assert result["ours_accepted_per_position"] == ours["accepted_per_position"]
+    assert result["vllm_greedy_identical"] == result["prompts"] == len(CASES[check["case"]]["prompts"])
+    card = (export / "README.md").read_text()
+    assert "## In vLLM, beside our validation" in card and f"| 1 | {result['ours_acceptance'][0]:.3f} |" in card
+    record("engine_check", {k: result[k] for k in ("ours_acceptance", "vllm_acceptance", "max_gap", "vllm_version")})
 
 
 def test_regenerate_through_a_vllm_server():
@@ -106,7 +151,7 @@ def test_regenerate_through_a_vllm_server():
     log = open(DIR / "vllm-serve.log", "w")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                               MANIFEST["target"], "--served-model-name", "tiny-target", "--host", "127.0.0.1",
+                               regen["target"], "--served-model-name", "tiny-target", "--host", "127.0.0.1",
                                "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len",
                                "1024"], stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/v1"

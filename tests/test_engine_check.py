@@ -1,0 +1,96 @@
+"""`python -m mtp_train.export.engine_check`: our engine beside vLLM on an export. vLLM itself runs only in
+`make test-serving`; here a stand-in for vLLM's Python (it decodes with our engine, as vLLM's greedy output
+would be, and reports the acceptance counts it is told to) checks what the command does with what vLLM
+says: the side-by-side figures, the exit code, the model card's section and when it is dropped."""
+
+import json
+import os
+import shutil
+import stat
+import sys
+
+import pytest
+from runs import untrained_head_run
+
+from mtp_train.config import compose
+from mtp_train.export import run as export
+from mtp_train.export.engine_check import BEGIN, main
+
+FAKE = """#!{python}
+import json, os, sys
+if sys.argv[1] == "-c":
+    print("0.0-standin")
+    raise SystemExit(0)
+args = sys.argv[2:]
+target, prompts, out = args[:3]
+spec = args[3:-2]
+from mtp_train.inference import generate, load_runner
+from mtp_train.model.target import TargetConfig
+runner = load_runner(target, TargetConfig(path=target, device="cpu"))
+tokens = generate(runner, json.load(open(prompts)), max_new_tokens=int(args[-1]), stop_tokens=set()).tokens
+result = {{"spec": spec or None, "seconds": 1.0, "tokens": tokens, "metrics": {{}}}}
+if spec:
+    result.update(json.loads(os.environ["STANDIN_COUNTS"]))
+json.dump(result, open(out, "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def eagle_run(trained_run, tiny_dir, tmp_path_factory):
+    """A run on the tiny target holding a random eagle1 head, exported as eagle-vllm, with trained_run's
+    prepared val split (the held-out prompts)."""
+    run_dir = tmp_path_factory.mktemp("engine_check")
+    shutil.copytree(trained_run / "data", run_dir / "data")
+    untrained_head_run(run_dir, tiny_dir / "target", "eagle1")
+    overrides = [f"run_dir={run_dir}", "target.device=cpu", "target.draft_path=null", "export.dtype=fp32",
+                 "export.format=eagle"]
+    export(compose("tiny", overrides))
+    fake = run_dir / "vllm-python"
+    fake.write_text(FAKE.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return run_dir, overrides, fake
+
+
+def check(eagle_run, counts: dict, monkeypatch) -> tuple[int, dict]:
+    run_dir, overrides, fake = eagle_run
+    monkeypatch.setenv("STANDIN_COUNTS", json.dumps(counts))
+    code = main(["--vllm-python", str(fake), "--k", "2", "--prompts", "2", "--new-tokens", "8", "recipe=tiny",
+                 *[o for o in overrides if not o.startswith("export.")]])
+    return code, json.loads((run_dir / "export" / "eagle-vllm" / "engine_check.json").read_text())
+
+
+def test_engine_check_reports_both_engines_and_fails_on_a_gap(eagle_run, monkeypatch):
+    run_dir, overrides, _ = eagle_run
+    out = run_dir / "export" / "eagle-vllm"
+    # vLLM reporting far more accepted drafts than our engine saw: a bug in one of them, exit 1
+    code, result = check(eagle_run, {"steps": 10, "accepted_per_position": [9, 8]}, monkeypatch)
+    assert code == 1 and result["vllm_acceptance"] == [0.9, 0.8] and result["max_gap"] > 0.03
+    assert result["prompts"] == 2 and result["vllm_greedy_identical"] == 2 and result["vllm_target_equals_ours"] == 2
+    assert result["ours_steps"] > 0 and len(result["ours_accepted_per_position"]) == 2
+    # the same counts as ours: exit 0, and the card's section is replaced, not added a second time
+    same = {"steps": result["ours_steps"], "accepted_per_position": result["ours_accepted_per_position"]}
+    code, result = check(eagle_run, same, monkeypatch)
+    assert code == 0 and result["max_gap"] == 0
+    card = (out / "README.md").read_text()
+    assert card.count(BEGIN) == 1 and "| 1 |" in card and "0.0-standin" in card
+    assert card.index("EagleLlamaForCausalLM") < card.index(BEGIN)  # the export's own card is kept above it
+
+    # an export that is up to date keeps the section; a new export (other weights) drops it
+    export(compose("tiny", overrides))
+    assert (out / "README.md").read_text().count(BEGIN) == 1
+    export(compose("tiny", [*overrides, "export.dtype=bf16", "export.overwrite=true"]))
+    assert BEGIN not in (out / "README.md").read_text() and not (out / "engine_check.json").exists()
+
+
+def test_engine_check_refuses_what_it_cannot_check(eagle_run, tmp_path, capsys):
+    run_dir, overrides, fake = eagle_run
+    base = [o for o in overrides if not o.startswith("export.")]
+    with pytest.raises(SystemExit):
+        main(["--vllm-python", str(tmp_path / "nope"), "recipe=tiny", *base])
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--vllm-python", str(fake), "--layout", "hf-mtp", "recipe=tiny", *base])
+    assert "vLLM serves eagle-vllm, eagle3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--vllm-python", str(fake), "--layout", "eagle3", "recipe=tiny", *base])
+    assert "has no export" in capsys.readouterr().err
