@@ -21,9 +21,6 @@ from mtp_train.export.engine_check import BEGIN, main
 
 FAKE = """#!{python}
 import argparse, json, os, sys
-if sys.argv[1] == "-c":
-    print("0.0-standin")
-    raise SystemExit(0)
 if os.environ.get("STANDIN_CRASH"):  # dies before writing anything, as a vLLM that cannot import would
     raise SystemExit(3)
 ap = argparse.ArgumentParser()
@@ -36,7 +33,7 @@ from mtp_train.inference import generate, load_runner
 from mtp_train.model.target import TargetConfig
 runner = load_runner(a.target, TargetConfig(path=a.target, device="cpu"))
 tokens = generate(runner, json.load(open(a.prompts)), max_new_tokens=a.max_tokens, stop_tokens=set()).tokens
-result = {{"spec": a.spec or None, "seconds": 1.0, "tokens": tokens, "metrics": {{}}}}
+result = {{"spec": a.spec or None, "vllm_version": "0.0-standin", "seconds": 1.0, "tokens": tokens, "metrics": {{}}}}
 if a.spec:
     result.update(json.loads(os.environ["STANDIN_COUNTS"]))
 json.dump(result, open(a.out, "w"))

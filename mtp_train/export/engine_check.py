@@ -29,7 +29,6 @@ from mtp_train.files import write_atomic, write_json
 METHODS = {"eagle-vllm": "eagle", "eagle3": "eagle3", "eagle3-speculators": "eagle3", "deepseek-nextn": "mtp"}
 VLLM_RUN = Path(__file__).with_name("vllm_run.py")
 TOLERANCE = 0.03
-RESULT = ENGINE_CHECK
 BEGIN, END = "<!-- engine-check -->", "<!-- /engine-check -->"
 
 
@@ -151,7 +150,7 @@ def export_identity(out: Path) -> str | None:
 def card_addendum(out: Path) -> str:
     """The card's engine-check section when `out/engine_check.json` was made from the weights `out` holds now
     (the export's identity), else nothing: a new export drops the figures of the old one."""
-    path = out / RESULT
+    path = out / ENGINE_CHECK
     if not path.is_file():
         return ""
     result = json.loads(path.read_text())
@@ -161,7 +160,7 @@ def card_addendum(out: Path) -> str:
 def write(out: Path, result: dict) -> None:
     """`engine_check.json` in the export directory, and its section in the model card (replacing an older
     one); nothing else in the directory changes."""
-    write_json(out / RESULT, {**result, "identity": export_identity(out)})
+    write_json(out / ENGINE_CHECK, {**result, "identity": export_identity(out)})
     card = out / CARD
     text = card.read_text() if card.is_file() else ""
     text = re.sub("\n*" + re.escape(BEGIN) + ".*?" + re.escape(END) + "\n?", "\n", text, flags=re.S)
@@ -223,10 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         results.append(r)
     alone, spec = results
-    version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                             text=True).stdout.strip() or "?"
     result = {**compare(mine, alone, spec, args.k), "layout": layout, "method": METHODS[layout],
-              "prompt_source": source, "new_tokens": args.new_tokens, "vllm_version": version,
+              "prompt_source": source, "new_tokens": args.new_tokens, "vllm_version": spec.get("vllm_version", "?"),
               "date": time.strftime("%Y-%m-%d")}
     write(out, result)
     print(f"| position | ours | vLLM |\n|---|---|---|")
@@ -234,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {i + 1} | {o:.3f} | {v:.3f} |")
     print(f"greedy identical in vLLM {result['vllm_greedy_identical']}/{result['prompts']}; vLLM target = ours "
           f"{result['vllm_target_equals_ours']}/{result['prompts']}; largest gap {result['max_gap']:.3f}; "
-          f"wrote {out / 'engine_check.json'} and the card's section")
+          f"wrote {out / ENGINE_CHECK} and the card's section")
     ok = result["vllm_greedy_identical"] == result["prompts"] and result["max_gap"] <= TOLERANCE
     return 0 if ok else 1
 

@@ -5,9 +5,9 @@ torchvision torchaudio torchcodec); imports nothing of mtp_train, reads our expo
     python mtp_train/export/vllm_run.py TARGET PROMPTS.json OUT.json [METHOD DRAFT_DIR K] [--max-tokens 48]
         [--dtype float32] [--max-model-len 1024]
 
-Writes to OUT.json the output tokens, the seconds, vLLM's spec-decode counters and what they say: the
-verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. When vLLM fails to
-start or to decode, OUT.json holds `error` (the exception's type and message) and the exit code is 1; a bad
+Writes to OUT.json vLLM's version, the output tokens, the seconds, vLLM's spec-decode counters and what they
+say: the verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. When vLLM fails
+to start or to decode, OUT.json holds `error` (the exception's type and message) and the exit code is 1; a bad
 command line or an unreadable PROMPTS.json writes nothing."""
 import argparse
 import json
@@ -29,6 +29,7 @@ def per_position(metrics: dict, k: int) -> tuple[int, list[int]]:
 
 
 def main() -> None:
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -47,7 +48,7 @@ def main() -> None:
     spec = None
     if args.spec:
         spec = {"method": args.spec[0], "model": args.spec[1], "num_speculative_tokens": int(args.spec[2])}
-    result = {"spec": spec}
+    result = {"spec": spec, "vllm_version": vllm.__version__}
     try:
         llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
                   speculative_config=spec, disable_log_stats=False)
