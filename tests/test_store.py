@@ -340,9 +340,13 @@ def test_layer_out_of_range_and_missing_data(tmp_path, tiny_dir, capsys):
 
 def test_length_batches_and_plan():
     lengths = [5, 50, 0, 20, 49, 7, 300]
-    batches = pc.length_batches(lengths, 100)
+    batches = pc.length_batches(lengths, 100)  # no padding multiple: a batch holds samples of one length
     assert sorted(j for b in batches for j in b) == [0, 1, 3, 4, 5, 6]  # every non-empty sample once
-    assert batches[0] == [6] and batches[1] == [1, 4]  # longest first; over-budget samples alone
-    assert all(len(b) * lengths[b[0]] <= 100 for b in batches[1:])
+    assert batches == [[6], [1], [4], [3], [5], [0]]  # longest first; over-budget samples alone
+    # padded to multiples of 16: 50 and 49 -> 64 share a batch, 5 and 7 -> 16 too; 20 -> 32 alone
+    batches = pc.length_batches(lengths, 130, multiple=16)
+    assert batches == [[6], [1, 4], [3], [5, 0]]
+    assert all(len(b) * pc.padded_length(lengths[b[0]], 16) <= 130 for b in batches[1:])
+    assert pc.length_batches([64, 60, 64, 1], 128, multiple=64) == [[0, 2], [1, 3]]  # all padded to 64
     assert fmt.plan_shards([5, 50, 0, 20, 49, 7, 300], 60) == [(0, 3), (3, 4), (4, 6), (6, 7)]
     assert fmt.plan_shards([], 10) == []

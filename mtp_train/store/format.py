@@ -217,32 +217,43 @@ def identity_mismatches(recorded: dict, current: dict, where: str | Path) -> lis
 # ------------------------------------------------------------------------------------------------- I/O
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
-    """Write `tensors` as a safetensors file, streamed from the tensors' memory (no second in-memory copy
-    of a 1 GB shard), hashing as it goes; atomically, like `mtp_train.files.write_atomic`. Returns (bytes, sha256).
-    Tensors go in order of decreasing item size, so every one starts aligned to its own item size."""
-    names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+def safetensors_layout(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                       metadata: dict[str, str]) -> tuple[bytes, list[str], dict[str, int]]:
+    """The bytes before a safetensors file's data (length + JSON header), the tensors' order and each one's
+    offset from the start of the file, for tensors `specs` {name: (dtype, shape)}. Tensors go in order of
+    decreasing item size, so every one starts aligned to its own item size."""
+    names = sorted(specs, key=lambda k: (-specs[k][0].itemsize, k))
     st_names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
     table: dict[str, dict] = {"__metadata__": metadata}
-    offset = 0
+    offset, starts = 0, {}
     for name in names:
-        t = tensors[name]
-        table[name] = {"dtype": st_names[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [offset, offset + t.numel() * t.element_size()]}
-        offset += t.numel() * t.element_size()
+        dtype, shape = specs[name]
+        size = int(torch.Size(shape).numel()) * dtype.itemsize
+        table[name] = {"dtype": st_names[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        starts[name] = offset
+        offset += size
     header = json.dumps(table, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+    head = struct.pack("<Q", len(header)) + header
+    return head, names, {k: len(head) + v for k, v in starts.items()}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
+    """Write `tensors` as a safetensors file, streamed from the tensors' memory (no second in-memory copy
+    of a 1 GB shard), hashing as it goes; atomically, like `mtp_train.files.write_atomic`. Returns (bytes, sha256)."""
+    head, names, _ = safetensors_layout({k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, metadata)
     h = hashlib.sha256()
+    size = 0
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        for chunk in (struct.pack("<Q", len(header)), header,
-                      *(memoryview(tensors[k].contiguous().view(torch.uint8).numpy()) for k in names)):
+        for chunk in (head, *(memoryview(tensors[k].contiguous().view(torch.uint8).numpy()) for k in names)):
             h.update(chunk)
             f.write(chunk)
+            size += memoryview(chunk).nbytes
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return 8 + len(header) + offset, h.hexdigest()
+    return size, h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -358,6 +369,77 @@ class ShardBuffer:
             size, digest = write_safetensors(path, self.tensors, metadata)
         return ShardInfo(file=path.name, samples=self.tensors["offsets"].numel() - 1, tokens=n,
                          masked_tokens=int(self.tensors["loss_mask"].sum()), bytes=size, sha256=digest)
+
+
+class ShardFile:
+    """A shard laid out on disk before its hidden states are known (hybrid training computes them in the
+    trainer's order, scattered over the split): header, token ids, masks and offsets are written at once,
+    the file's whole length allocated (a full disk fails here, not in a write through the map), hidden-state
+    rows are written through a memory map as they arrive, and `finish` makes it the shard `ShardBuffer.write`
+    writes from the same states, byte for byte. `reopen` keeps a temporary file of the right length that an
+    earlier, stopped run left (its recorded rows stay valid)."""
+
+    def __init__(self, path: Path, input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor, *,
+                 hidden_size: int, dtype: str, layers: Sequence[int], metadata: dict[str, str], reopen: bool = False):
+        import numpy as np
+
+        check_dtype(dtype)
+        self.path, self.tmp, self.dtype = path, path.with_name(path.name + ".tmp"), dtype
+        fixed = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.int8),
+                 "offsets": offsets.to(torch.int64)}
+        n = int(offsets[-1])
+        self.tokens, self.samples, self.masked = n, offsets.numel() - 1, int(fixed["loss_mask"].sum())
+        specs = {k: (t.dtype, tuple(t.shape)) for k, t in fixed.items()}
+        for stream in stream_names(layers):
+            specs[stream] = (STORE_DTYPES[dtype], (n, hidden_size))
+            if dtype == "float8_e4m3":
+                specs[scale_name(stream)] = (torch.float32, (n,))
+        head, _, self.starts = safetensors_layout(specs, metadata)
+        self.specs = specs
+        self.size = max(self.starts[k] + int(torch.Size(sh).numel()) * dt.itemsize for k, (dt, sh) in specs.items())
+        self.reopened = reopen and self.tmp.is_file() and self.tmp.stat().st_size == self.size
+        if not self.reopened:
+            with space_for(self.tmp, self.size, "shard", "every finished shard is kept (its record names it)",
+                           partial=[self.tmp]):
+                with open(self.tmp, "wb") as f:
+                    os.posix_fallocate(f.fileno(), 0, self.size)
+                    f.write(head)
+                    for k, t in fixed.items():
+                        f.seek(self.starts[k])
+                        f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+        self._map = np.memmap(self.tmp, dtype=np.uint8, mode="r+")
+
+    def _rows_view(self, name: str):
+        dtype, shape = self.specs[name]
+        row = dtype.itemsize * (int(torch.Size(shape[1:]).numel()) if len(shape) > 1 else 1)
+        return self._map[self.starts[name]: self.starts[name] + shape[0] * row].reshape(shape[0], row)
+
+    def put(self, stream: str, rows: torch.Tensor, x: torch.Tensor) -> None:
+        """Hidden states x [n, H] (any float dtype, any device) at token rows [n] of `stream`."""
+        data, scale = encode(x, self.dtype)
+        at = rows.cpu().numpy()
+        self._rows_view(stream)[at] = data.cpu().contiguous().view(torch.uint8).numpy()
+        if scale is not None:
+            self._rows_view(scale_name(stream))[at] = scale.cpu().contiguous().view(torch.uint8).numpy()
+
+    def flush(self) -> None:
+        self._map.flush()
+
+    def close(self) -> None:
+        """Flush and unmap (the file stays; `ShardFile(..., reopen=True)` opens it again)."""
+        self._map.flush()
+        del self._map
+
+    def finish(self) -> ShardInfo:
+        """Flush, fsync, checksum and rename to the shard's name: the finished shard's record."""
+        self._map.flush()
+        del self._map
+        with open(self.tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        digest = sha256_file(self.tmp)
+        os.replace(self.tmp, self.path)
+        return ShardInfo(file=self.path.name, samples=self.samples, tokens=self.tokens, masked_tokens=self.masked,
+                         bytes=self.size, sha256=digest)
 
 
 SHARD_METADATA_KEY = "mtp_train.store"

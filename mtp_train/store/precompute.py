@@ -56,7 +56,12 @@ class StoreConfig:
     dtype: str = "auto"  # auto (= target.dtype) | float32 | bfloat16 | float16 | float8_e4m3 (per-token scale)
     layers: list[int] = field(default_factory=list)  # extra layers i: the residual entering decoder layer i
     shard_mb: float = 1024.0  # shard size in MiB
-    batch_tokens: int = 4096  # padded tokens per forward batch (longest sample in the batch × batch size)
+    batch_tokens: int = 4096  # padded tokens per forward batch (padded length × batch size)
+    pad_multiple: int = 64  # a sample is padded to a multiple of this and batched only with samples of the same
+    #   padded length: its states then do not depend on which samples share its batch (online training and
+    #   hybrid stores reproduce precompute's bytes)
+    max_bytes: float = 0  # train.features=hybrid: the most bytes of train shards to write (0 = no limit);
+    #   samples in shards past it are computed online in every epoch
     gpus_per_process: int = 1  # >1: each process spreads the target over this many GPUs (device_map=auto)
     overwrite: bool = False  # replace a store made with another target, tokenizer, data or store config
 
@@ -69,6 +74,10 @@ class StoreConfig:
             raise ValueError(f"store.shard_mb must be positive, got {self.shard_mb}")
         if self.batch_tokens < 1:
             raise ValueError(f"store.batch_tokens must be at least 1, got {self.batch_tokens}")
+        if self.pad_multiple < 1:
+            raise ValueError(f"store.pad_multiple must be at least 1, got {self.pad_multiple}")
+        if self.max_bytes < 0:
+            raise ValueError(f"store.max_bytes must be >= 0 (0: no limit), got {self.max_bytes}")
         if self.gpus_per_process < 1:
             raise ValueError(f"store.gpus_per_process must be at least 1, got {self.gpus_per_process}")
 
@@ -165,9 +174,16 @@ class HiddenStates:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """input_ids [B, T] -> final [B, T, H], [layer i input [B, T, H] for i in layers]."""
+        """input_ids [B, T] -> final [B, T, H], [layer i input [B, T, H] for i in layers].
+
+        On CPUs a batch of one row is run as two (the second all padding, dropped): PyTorch's CPU kernels take
+        another path for one row, whose rounding differs from a batch's, and a sample's states must not depend
+        on how many samples share its batch (the store's bytes and online training's features must agree)."""
+        B = input_ids.shape[0]
+        if B == 1 and self.device.type == "cpu":
+            input_ids = torch.cat([input_ids, torch.zeros_like(input_ids)])
         out = self.decoder(input_ids=input_ids.to(self.device), use_cache=False)
-        return out.last_hidden_state, [self._captured.pop(i) for i in self.layers]
+        return out.last_hidden_state[:B], [self._captured.pop(i)[:B] for i in self.layers]
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -216,37 +232,54 @@ class SplitData:
                 torch.from_numpy(offsets.astype(np.int64)))
 
 
-def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Sample indices grouped longest first into batches of at most `batch_tokens` padded tokens (one
-    sample per batch at least): sorting keeps the padding small, and the largest batch runs first, so a
-    batch that does not fit in memory fails at once. Empty samples need no forward and are left out."""
-    order = sorted((j for j, n in enumerate(lengths) if n > 0), key=lambda j: -lengths[j])
+def padded_length(n: int, multiple: int) -> int:
+    """A sample of n tokens is computed padded to the next multiple of `multiple`."""
+    return -(-n // multiple) * multiple
+
+
+def length_batches(lengths: list[int], batch_tokens: int, multiple: int = 1) -> list[list[int]]:
+    """Sample indices grouped by padded length (`padded_length`), longest first, into batches of at most
+    `batch_tokens` padded tokens (one sample per batch at least): samples share a batch only with samples of
+    their padded length, so each one is computed at the same shape whatever its batch-mates; the largest batch
+    runs first, so a batch that does not fit in memory fails at once. Empty samples need no forward."""
+    padded = {j: padded_length(n, multiple) for j, n in enumerate(lengths) if n > 0}
+    order = sorted(padded, key=lambda j: (-padded[j], -lengths[j], j))
     batches: list[list[int]] = []
     for j in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+        if batches and padded[batches[-1][0]] == padded[j] and (len(batches[-1]) + 1) * padded[j] <= batch_tokens:
             batches[-1].append(j)
         else:
             batches.append([j])
     return batches
 
 
-def fill_shard(hidden_states: HiddenStates, buf: ShardBuffer, input_ids: torch.Tensor, offsets: torch.Tensor,
-               batch_tokens: int, progress: tqdm) -> int:
-    """Run the target over one shard's samples and put their states into `buf`; returns the padded tokens."""
+def sample_states(hidden_states: HiddenStates, input_ids: torch.Tensor, offsets: torch.Tensor, batch_tokens: int,
+                  multiple: int):
+    """The target's states for the samples input_ids[offsets[j]:offsets[j+1]], batch by batch (`length_batches`):
+    yields (token rows [n] of the batch's samples, in the flat order of `input_ids`, [final, *layers] each
+    [n, H] on the target's device, the batch's padded tokens). precompute and online training both compute
+    through this."""
     lengths = (offsets[1:] - offsets[:-1]).tolist()
-    padded = 0
-    streams = stream_names(hidden_states.layers)
-    for group in length_batches(lengths, batch_tokens):
-        t = lengths[group[0]]
+    for group in length_batches(lengths, batch_tokens, multiple):
+        t = padded_length(lengths[group[0]], multiple)
         batch = torch.zeros(len(group), t, dtype=torch.long)  # [B, T] right-padded; padded positions are dropped
         for r, j in enumerate(group):
             batch[r, : lengths[j]] = input_ids[offsets[j] : offsets[j + 1]]
-        rows = torch.cat([torch.arange(offsets[j], offsets[j + 1]) for j in group])  # the tokens' rows in the shard
+        rows = torch.cat([torch.arange(offsets[j], offsets[j + 1]) for j in group])  # the tokens' rows
         valid = torch.arange(t)[None, :] < torch.tensor([lengths[j] for j in group])[:, None]  # [B, T]
         final, extra = hidden_states(batch)
-        for stream, x in zip(streams, [final, *extra]):
-            buf.put(stream, rows, x[valid.to(x.device)])  # [n, H], in the order of `rows`
-        padded += len(group) * t
+        yield rows, [x[valid.to(x.device)] for x in (final, *extra)], len(group) * t  # [n, H], as `rows`
+
+
+def fill_shard(hidden_states: HiddenStates, buf: ShardBuffer, input_ids: torch.Tensor, offsets: torch.Tensor,
+               batch_tokens: int, progress: tqdm, multiple: int = 1) -> int:
+    """Run the target over one shard's samples and put their states into `buf`; returns the padded tokens."""
+    padded = 0
+    streams = stream_names(hidden_states.layers)
+    for rows, states, batch_padded in sample_states(hidden_states, input_ids, offsets, batch_tokens, multiple):
+        for stream, x in zip(streams, states):
+            buf.put(stream, rows, x)
+        padded += batch_padded
         progress.update(len(rows))
     return padded
 
@@ -354,7 +387,7 @@ def prepare_dir(job: SplitJob, state: str) -> None:
 
 
 def run_shards(job: SplitJob, hidden_states: HiddenStates, ranks: Ranks, batch_tokens: int,
-               stop_file: Path | None = None) -> dict:
+               stop_file: Path | None = None, multiple: int = 1) -> dict:
     """This rank's unfinished shards of `job` (k % world == rank), each computed, written and recorded. Between
     shards a SIGTERM / SIGUSR1 or an existing `stop_file` stops it (Preempted), the finished shards kept."""
     mine = [k for k in range(len(job.ranges)) if k % ranks.world == ranks.rank and job.finished(k) is None]
@@ -372,7 +405,7 @@ def run_shards(job: SplitJob, hidden_states: HiddenStates, ranks: Ranks, batch_t
             input_ids, loss_mask, offsets = job.data.rows(a, b)
             buf = ShardBuffer(input_ids, loss_mask, offsets, hidden_size=job.settings.hidden_size,
                               dtype=job.settings.dtype, layers=job.settings.layers)
-            padded += fill_shard(hidden_states, buf, input_ids, offsets, batch_tokens, progress)
+            padded += fill_shard(hidden_states, buf, input_ids, offsets, batch_tokens, progress, multiple)
             info = buf.write(job.shard_path(k), shard_metadata(job.plan, k, a))
             write_json(job.record_path(k), {**asdict(info), "plan_hash": job.plan})
             if os.environ.get(PAUSE_ENV):
@@ -487,7 +520,7 @@ def run(cfg: "RunConfig") -> dict[str, dict]:
             for job in todo:
                 t0 = time.perf_counter()
                 stats[job.name] = {**run_shards(job, hidden_states, ranks, cfg.store.batch_tokens,
-                                                Path(cfg.run_dir) / STOP_FILE),
+                                                Path(cfg.run_dir) / STOP_FILE, cfg.store.pad_multiple),
                                    "seconds": time.perf_counter() - t0}
         _barrier(ranks)  # every shard is on disk
         if ranks.rank == 0:

@@ -31,9 +31,11 @@ class StoreReader:
                                          `reader.layers` (layer indices), the residual entering each layer
     """
 
-    def __init__(self, split_dir: str | Path, max_open_shards: int = 64):
+    def __init__(self, split_dir: str | Path, max_open_shards: int = 64, manifest: dict | None = None):
+        """`manifest`: read these shards instead of the split's manifest (a hybrid run's finished first shards
+        of a store that is not complete)."""
         self.dir = Path(split_dir)
-        self.manifest: dict = read_manifest(self.dir)
+        self.manifest: dict = read_manifest(self.dir) if manifest is None else manifest
         self.hidden_size: int = int(self.manifest["hidden_size"])
         self.layers: list[int] = list(self.manifest["layers"])
         self.dtype: str = self.manifest["dtype"]
@@ -60,6 +62,8 @@ class StoreReader:
         self.lengths: np.ndarray = (np.concatenate([np.diff(o) for o in self._offsets]) if offsets
                                     else np.zeros(0, dtype=np.int64))  # tokens per sample, in sample order
         self._maps: OrderedDict[int, np.memmap] = OrderedDict()
+
+    in_process = False  # reads files only: DataLoader workers may read it
 
     def __len__(self) -> int:
         return int(self._first[-1])
@@ -102,6 +106,25 @@ class StoreReader:
         if self.layers:
             out["layers"] = torch.stack([stream(s) for s in stream_names(self.layers)[1:]])
         return out
+
+    def fetch(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Samples `indices` (what the trainer's collate asks every feature source for)."""
+        return [self[i] for i in indices]
+
+    def token_chunks(self):
+        """(where, input_ids [N], loss_mask [N]) of each shard, read without the hidden states."""
+        from safetensors import safe_open
+
+        for shard in self.manifest["shards"]:
+            with safe_open(str(self.dir / shard["file"]), framework="pt") as f:
+                yield f"shard {shard['file']}", f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+
+    # the trainer calls these at every feature source (train/features.py); a finished store writes nothing
+    def end_of_pass(self) -> None:
+        pass
+
+    def checkpoint(self) -> None:
+        pass
 
     def check_identity(self, target_path: str | Path | None = None, tokenizer_path: str | Path | None = None,
                        data_manifest: str | Path | None = None) -> None:

@@ -52,7 +52,7 @@ def steps_per_epoch(n_samples: int, micro_batch: int, world: int, grad_accum: in
 
 
 class Collate:
-    """Reads a micro-batch from the store and right-pads it: hidden [B, T, H] (float32), input_ids [B, T],
+    """Reads a micro-batch from a feature source (the store, or `train/features.py`'s online ones) and right-pads it: hidden [B, T, H] (float32), input_ids [B, T],
     loss_mask [B, T] bool, lengths [B]; with `aux` (an eagle3 head's layers) also aux [B, T, k·H], the stored
     states of those layers concatenated in that order (the head's input; `hidden` stays the loss's target)."""
 
@@ -66,7 +66,7 @@ class Collate:
         self.slots = [reader.layers.index(i) for i in aux]
 
     def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        samples = [self.reader[i] for i in indices]
+        samples = self.reader.fetch(indices)
         T = max(s["input_ids"].shape[0] for s in samples)
         H = samples[0]["hidden"].shape[-1]
         B = len(samples)
@@ -91,7 +91,10 @@ def head_inputs(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def loader(reader, batches: list[list[int]], num_workers: int = 0, aux: list[int] | tuple[int, ...] = ()):
-    """Iterate collated micro-batches in the given order (workers prefetch; order is kept)."""
+    """Iterate collated micro-batches in the given order (workers prefetch; order is kept). A source that
+    computes in this process (online features: the target is here) is read without workers."""
+    if getattr(reader, "in_process", False):
+        return map(Collate(reader, aux), batches)
     # its own generator: a DataLoader otherwise draws its base seed from the global RNG, which would make a
     # resumed run's random stream differ from an uninterrupted one
     return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False, collate_fn=Collate(reader, aux),

@@ -35,6 +35,7 @@ from mtp_train.preempt import STOP_FILE, Preempted, StopRequests
 from mtp_train.model.head import DraftHead, unrolled
 from mtp_train.train import checkpoint as ckpt
 from mtp_train.train import distributed as dist
+from mtp_train.train.features import FEATURES, open_splits
 from mtp_train.train.data import Collate, head_inputs, length_batches, loader, rank_batches, steps_per_epoch
 from mtp_train.train.log import MetricsLogger
 from mtp_train.train.loss import LossConfig, counted_positions, head_loss
@@ -71,6 +72,7 @@ class TrainConfig:
     strategy: str = "auto"  # auto | single | ddp | deepspeed (auto: one process single; GPUs deepspeed; CPUs ddp)
     zero_stage: int = 2  # DeepSpeed ZeRO stage 1 | 2 | 3
     activation_checkpointing: bool = False  # recompute the decoder layer's MLP in backward
+    features: str = "store"  # store | online | hybrid: where the target's features come from (train/features.py)
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
@@ -90,6 +92,8 @@ class TrainConfig:
             raise ValueError(f"train.betas={self.betas}: expected two numbers")
         if self.strategy not in dist.STRATEGIES:
             raise ValueError(f"train.strategy={self.strategy!r}: expected one of {', '.join(dist.STRATEGIES)}")
+        if self.features not in FEATURES:
+            raise ValueError(f"train.features={self.features!r}: expected one of {', '.join(FEATURES)}")
         if self.zero_stage not in dist.ZERO_STAGES:
             raise ValueError(f"train.zero_stage={self.zero_stage}: expected 1, 2 or 3 "
                              "(used by train.strategy=deepspeed)")
@@ -224,16 +228,8 @@ class Trainer:
                              "set train.loss.w_feat=0")
         if self.tc.precision == "bf16" and self.device.type == "cpu":
             self.say("train: bf16 autocast on CPU is 20-30x slower than fp32 here; use train.precision=fp32 on CPUs")
-        store = self.run_dir / "store"
-        for split in ("train", "val"):
-            if not (store / split / "manifest.json").is_file():
-                raise FileNotFoundError(f"no hidden-state store at {store / split}: run `mtp-train precompute` "
-                                        f"with the same recipe and run_dir={self.run_dir} first")
-        self.train_store, self.val_store = StoreReader(store / "train"), StoreReader(store / "val")
-        data_manifest = self.run_dir / "data" / "manifest.json"
-        for reader in (self.train_store, self.val_store):  # another target, tokenizer or dataset: refused
-            reader.check_identity(target_path=cfg.target.path, tokenizer_path=cfg.target.path,
-                                  data_manifest=data_manifest if data_manifest.is_file() else None)
+        self.train_store, self.val_store = open_splits(cfg, self.device, rank, world, self.say)  # train/features.py
+        store = self.train_store.dir.parent
         self.seed = cfg.seed if self.tc.seed is None else self.tc.seed
         frozen_dtype = torch.bfloat16 if self.tc.precision == "bf16" else torch.float32
         self.head, self.frozen, self.target_config = build_head(cfg.target.path, cfg.head, self.device, self.seed,
@@ -334,6 +330,7 @@ class Trainer:
             return None
 
         path = None
+        self.train_store.checkpoint()  # hybrid: the store's rows written so far are on disk and recorded
         try:
             if self.world > 1:
                 dist.agree(attempt(lambda: check_space(tmp, needed, "checkpoint", kept)), "its space check")
@@ -476,6 +473,7 @@ class Trainer:
                 self.consumed += 1
                 yield batch
             self.epoch, self.consumed = self.epoch + 1, 0
+            self.train_store.end_of_pass()  # hybrid: the first pass has written the store
 
     def train_step(self, micro) -> dict[str, float]:
         """One optimizer step over grad_accum micro-batches on every rank; returns the step's metrics, averaged
@@ -587,6 +585,7 @@ class Trainer:
                 self.save()
             last = m
         bar.close()
+        self.train_store.end_of_pass()  # hybrid: training ended inside the first pass; the store is completed
         return self.validate(), self.save(), last
 
 

@@ -58,19 +58,13 @@ class DraftVocab:
 
 def trained_token_counts(reader, vocab_size: int) -> torch.Tensor:
     """[vocab_size] int64: how often each token id occurs at a trained position (loss_mask set) of a store
-    split (`StoreReader`). Reads only the shards' `input_ids` and `loss_mask`."""
-    from safetensors import safe_open
-
+    split (`StoreReader`; or the prepared data of an online one). Reads only token ids and loss masks."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for shard in reader.manifest["shards"]:
-        path = Path(reader.dir) / shard["file"]
-        with safe_open(str(path), framework="pt") as f:
-            ids = f.get_tensor("input_ids").long()
-            mask = f.get_tensor("loss_mask").bool()
-        trained = ids[mask]
+    for where, ids, mask in reader.token_chunks():
+        trained = ids.long()[mask.bool()]
         if trained.numel() and (int(trained.min()) < 0 or int(trained.max()) >= vocab_size):
-            raise ValueError(f"store {reader.dir}: shard {shard['file']} holds token id {int(trained.max())}, outside "
-                             f"the target's vocabulary of {vocab_size}: the store was made with another tokenizer")
+            raise ValueError(f"{reader.dir}: {where} holds token id {int(trained.max())}, outside the target's "
+                             f"vocabulary of {vocab_size}: the store was made with another tokenizer")
         counts += torch.bincount(trained, minlength=vocab_size)
     return counts
 
