@@ -118,6 +118,10 @@ def run_pipeline(cfg: RunConfig) -> None:
     for name in PIPELINE:
         if STAGES[name].entry is None:
             raise StageNotBuilt(f"stage {name!r} is not built yet: the pipeline stopped before it")
+        if name == "precompute" and cfg.train.features != "store":
+            print(f"== precompute: skipped (train.features={cfg.train.features}: the trainer computes the features)",
+                  flush=True)
+            continue
         print(f"== {name}", flush=True)
         resolve_entry(name)(cfg)
 

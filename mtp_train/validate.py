@@ -116,13 +116,19 @@ def teacher_forced(cfg: "RunConfig", head: torch.nn.Module, frozen, device: torc
     from mtp_train.train.trainer import autocast_for, evaluate
 
     split = Path(cfg.run_dir) / "store" / "val"
-    if not (split / "manifest.json").is_file():
+    if (split / "manifest.json").is_file():
+        reader = StoreReader(split)
+        data_manifest = Path(cfg.run_dir) / "data" / "manifest.json"
+        reader.check_identity(target_path=cfg.target.path, tokenizer_path=cfg.target.path,
+                              data_manifest=data_manifest if data_manifest.is_file() else None)
+    elif cfg.train.features == "online":  # trained without a store: the val split's states computed here
+        from mtp_train.train.features import online_split
+
+        reader = online_split(cfg, "val", device)
+    else:
         raise FileNotFoundError(f"no hidden-state store at {split}: run mtp-train precompute with the same recipe "
-                                f"and run_dir={cfg.run_dir} first (or validate.teacher_forced=false)")
-    reader = StoreReader(split)
-    data_manifest = Path(cfg.run_dir) / "data" / "manifest.json"
-    reader.check_identity(target_path=cfg.target.path, tokenizer_path=cfg.target.path,
-                          data_manifest=data_manifest if data_manifest.is_file() else None)
+                                f"and run_dir={cfg.run_dir} first (or train.features=online, or "
+                                "validate.teacher_forced=false)")
     n, m = len(reader), cfg.validate.val_samples
     chosen = range(n) if not m or m >= n else [i * n // m for i in range(m)]
     batches = length_batches(reader.lengths, cfg.train.micro_batch, chosen)

@@ -82,3 +82,22 @@ def test_zero3_and_checkpointing_lower_the_70b_estimate():
     assert est[(1, False)].gradients > est[(2, False)].gradients == est[(3, False)].gradients
     assert est[(3, False)].weights < est[(2, False)].weights
     assert est[(2, True)].activations < est[(2, False)].activations
+
+
+def test_online_training_counts_the_target_it_holds():
+    """train.features=online: each GPU also holds the bf16 target (Llama-3.1-8B less its lm_head: 7.50 B parameters, 14.0 GiB) and
+    one forward of store.batch_tokens; the 8B recipe still fits an H100 with it."""
+    from mtp_train.train.memory import online_bytes
+
+    fixture = FIXTURES / "llama3.1-8b"
+    cfg = compose("llama3.1-8b", [f"target.path={fixture}", "run_dir=runs/x", "train.features=online"])
+    target = online_bytes(cfg)
+    weights = 7_504_924_672 * 2  # Llama-3.1-8B without its lm_head (8.03 B with it): 7.50 B parameters in bf16
+    assert weights < target < weights + 2 * GIB
+    assert online_bytes(compose("llama3.1-8b", [f"target.path={fixture}", "run_dir=runs/x"])) == 0
+    config = load_target_config(fixture)
+    est = estimate_memory(config, cfg.train, cfg.data.max_length, NODE, "deepspeed", cfg.head, online_target=target)
+    offline = estimate_memory(config, cfg.train, cfg.data.max_length, NODE, "deepspeed", cfg.head)
+    assert est.target == target and est.total > offline.total + target
+    assert "target (online)" in est.format() and "target (online)" not in offline.format()
+    assert est.total < 0.85 * H100_80GB

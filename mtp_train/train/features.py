@@ -339,6 +339,16 @@ def open_splits(cfg, device: torch.device, rank: int, world: int, say=print):
     return train, StoreReader(val_job.out_dir)
 
 
+def online_split(cfg, name: str, device: torch.device) -> OnlineSplit:
+    """Split `name` (train | val) of the run's prepared data with its states computed online (validate's
+    teacher-forced metrics of a run trained with train.features=online)."""
+    from mtp_train.store import precompute as pc
+
+    job = next(j for j in pc.plan_jobs(cfg) if j.name == name)
+    hidden_states = pc.HiddenStates(load_target(cfg, device, 1), list(job.settings.layers))
+    return OnlineSplit(job, hidden_states, cfg.store.batch_tokens, cfg.store.pad_multiple)
+
+
 def load_target(cfg, device: torch.device, world: int) -> torch.nn.Module:
     """The frozen target's decoder for online features: on the trainer's device, or with
     `store.gpus_per_process` > 1 spread over that many GPUs (one process only)."""

@@ -19,6 +19,9 @@ meta device) and N the data-parallel world size:
                   MLP under activation checkpointing); plus DeepSpeed's communication buckets and the largest
                   single gradient before it is reduced
     overhead      1 GiB (CUDA context, cuBLAS workspace, NCCL) + 10% of the rest (allocator fragmentation)
+    target        online / hybrid training (`train.features`) only: the frozen target this process holds, its
+                  weights in target.dtype (counted by building it on the meta device), and one inference forward
+                  of store.batch_tokens tokens (the residual, one layer's widest temporaries, the states kept)
 
 Activation bytes per token at unrolled step j (keys S_j = (j + 1) T, a = bytes of the compute dtype: 2 under
 bf16 autocast, 4 in fp32), for a decoder layer with query width q = heads x head_dim, key width k (after
@@ -116,6 +119,7 @@ class MemoryEstimate:
     activations: int
     buffers: int
     overhead: int
+    target: int = 0  # online features: the frozen target and its forward
 
     @property
     def total(self) -> int:
@@ -128,7 +132,7 @@ class MemoryEstimate:
     def format(self, device_bytes: int | None = None, what: str = "") -> str:
         rows = [("head weights", self.weights), ("gradients", self.gradients), ("optimizer state", self.optimizer),
                 ("frozen E / W", self.frozen), ("activations", self.activations), ("buffers", self.buffers),
-                ("overhead", self.overhead)]
+                ("overhead", self.overhead)] + ([("target (online)", self.target)] if self.target else [])
         head = (f"memory per GPU (estimate{', ' + what if what else ''}): {self.trainable_params / 1e6:,.1f} M "
                 f"trainable head parameters, {self.frozen_params / 1e6:,.1f} M frozen, {self.tokens:,} tokens "
                 "per micro-batch")
@@ -139,11 +143,27 @@ class MemoryEstimate:
         return "\n".join(lines + [total])
 
 
+def online_target_bytes(config, dtype_bytes: int, batch_tokens: int, streams: int) -> int:
+    """The frozen target of online training: weights + one inference forward of `batch_tokens` tokens keeping
+    `streams` [tokens, H] states (the final one and the aux layers)."""
+    import torch
+    from transformers import AutoModel
+
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    H, I = config.hidden_size, config.intermediate_size
+    w = attention_widths(config)
+    per_token = 2 * H + max(3 * I, w.q + w.k + w.v + H) + streams * H
+    return dtype_bytes * (params + batch_tokens * per_token)
+
+
 def estimate_memory(target_config, train, seq_len: int, world: int, strategy: str, head_cfg=None,
-                    zero_bucket: int | None = None) -> MemoryEstimate:
+                    zero_bucket: int | None = None, online_target: int = 0) -> MemoryEstimate:
     """Per-process memory of training the head of `target_config` (a transformers config, a model directory
     or a config.json) with `train` (a TrainConfig), samples of `seq_len` tokens, `world` processes and a
-    resolved strategy (single | ddp | deepspeed; ZeRO stage from train.zero_stage)."""
+    resolved strategy (single | ddp | deepspeed; ZeRO stage from train.zero_stage). `online_target`: the
+    bytes of the target an online run holds (`online_target_bytes`)."""
     from mtp_train.train.distributed import ZERO_BUCKET
 
     config = load_target_config(target_config)
@@ -182,9 +202,23 @@ def estimate_memory(target_config, train, seq_len: int, world: int, strategy: st
     # fp32 inputs, and with activation checkpointing the MLP's recomputed activations
     backward = tokens * ((3 + (4 if train.activation_checkpointing else 0)) * config.intermediate_size * a + 16 * H)
     buffers = max(loss_chunk, backward) + comm
-    rest = weights + grads + optim + frozen + activations + buffers
+    rest = weights + grads + optim + frozen + activations + buffers + online_target
     overhead = CUDA_OVERHEAD + int(FRAGMENTATION * rest)
-    return MemoryEstimate(P, frozen_params, tokens, weights, grads, optim, frozen, activations, buffers, overhead)
+    return MemoryEstimate(P, frozen_params, tokens, weights, grads, optim, frozen, activations, buffers, overhead,
+                          online_target)
+
+
+def online_bytes(cfg) -> int:
+    """`online_target_bytes` of a run config: 0 unless train.features is online or hybrid."""
+    if cfg.train.features == "store":
+        return 0
+    from mtp_train.model.head import aux_layer_ids
+    from mtp_train.model.target import TargetArch, torch_dtype
+
+    config = load_target_config(cfg.target.path)
+    streams = 1 + len(set(cfg.store.layers) | set(aux_layer_ids(TargetArch.from_pretrained(cfg.target.path), cfg.head)))
+    dtype_bytes = torch_dtype(cfg.target.dtype).itemsize
+    return online_target_bytes(config, dtype_bytes, cfg.store.batch_tokens, streams)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     strategy = resolve_strategy(cfg.train.strategy, world, torch.device("cuda"))
-    est = estimate_memory(cfg.target.path, cfg.train, cfg.data.max_length, world, strategy, cfg.head)
+    est = estimate_memory(cfg.target.path, cfg.train, cfg.data.max_length, world, strategy, cfg.head,
+                          online_target=online_bytes(cfg))
     what = f"{strategy}{f' ZeRO-{cfg.train.zero_stage}' if strategy == 'deepspeed' else ''} x {world}, " \
            f"samples of {cfg.data.max_length} tokens"
     print(f"{recipe}: " + est.format(gpu, what))

@@ -437,10 +437,11 @@ class Trainer:
 
     def memory_estimate(self):
         """The per-GPU memory estimate for this run (from the target's config and the longest train sample)."""
-        from mtp_train.train.memory import estimate_memory
+        from mtp_train.train.memory import estimate_memory, online_bytes
 
         seq = int(max(self.train_store.lengths)) if len(self.train_store) else 1
-        return estimate_memory(self.target_config, self.tc, seq, self.world, self.strategy, self.cfg.head)
+        return estimate_memory(self.target_config, self.tc, seq, self.world, self.strategy, self.cfg.head,
+                               online_target=online_bytes(self.cfg))
 
     # -- the loop ----------------------------------------------------------------------------------------
     def val_batches(self, full: bool) -> list[list[int]]:
