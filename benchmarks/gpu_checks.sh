@@ -4,6 +4,8 @@
 #   1. benchmarks/gpu_train_step.py: the llama3.1-8b head's training step (micro-batch 8 x 2048, depth 3,
 #      bf16 autocast): tokens/s, MFU, peak memory against the memory estimate; then the same with
 #      activation checkpointing at micro-batch 16.
+#   1b. the same step with train.features=online (a Llama-3.1-8B-shaped target's forward on the GPU every step):
+#      tokens/s against the offline step.
 #   2. the whole pipeline on the embedded tiny target on the GPU in bf16 (prepare, precompute with a bf16 store,
 #      train with train.precision=bf16, validate: speculative decoding on the GPU, export), then validate again
 #      with the target in fp32 to tell bf16 near-tie flips from bugs (greedy_identical).
@@ -22,7 +24,7 @@
 set -u
 OUT_DIR=${1:-${OUT:-benchmarks/results/gpu}}
 mkdir -p "$OUT_DIR"
-ALL="train_step train_step_ac pipeline_bf16 decode_profile validate_fp32 eagle3_bf16 forward_time"
+ALL="train_step train_step_ac train_step_online pipeline_bf16 decode_profile validate_fp32 eagle3_bf16 forward_time"
 CHECKS=${CHECKS:-$ALL}
 for c in $CHECKS; do case " $ALL " in *" $c "*) ;; *) echo "unknown check $c (known: $ALL)"; exit 2;; esac; done
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -60,6 +62,9 @@ check() {  # check NAME: one step and the files it leaves
   train_step_ac)
     step train_step_ac 100 $PY benchmarks/gpu_train_step.py --activation-checkpointing --micro-batch 16 --steps 20
     [ -f benchmarks/results/gpu_train_step.json ] && cp benchmarks/results/gpu_train_step.json "$OUT_DIR/gpu_train_step_ac.json";;
+  train_step_online)
+    step train_step_online 150 $PY benchmarks/gpu_train_step.py --online --steps 20
+    [ -f benchmarks/results/gpu_train_step_online.json ] && cp benchmarks/results/gpu_train_step_online.json "$OUT_DIR/";;
   pipeline_bf16)
     step pipeline_bf16 260 $PY -m mtp_train.cli pipeline recipe=tiny run_dir=$RUN $GPU
     [ -f $RUN/validation/report.json ] && cp $RUN/validation/report.json "$OUT_DIR/tiny_report_bf16.json"

@@ -9,6 +9,12 @@ the architecture comes from tests/fixtures/configs/llama3.1-8b/config.json and t
 
     python benchmarks/gpu_train_step.py                     # 10 warm-up + 50 timed steps on cuda:0
     python benchmarks/gpu_train_step.py --activation-checkpointing --micro-batch 16
+    python benchmarks/gpu_train_step.py --online              # train.features=online: the target's forward too
+
+With --online every step first computes the micro-batch's hidden states with a randomly initialised target of
+the same architecture (bf16, on the same GPU) through precompute's forward (`store.precompute.sample_states`,
+the trainer's online path), as `train.features=online` does; tokens/s against the offline step is what online
+training costs per epoch on a GPU.
 
 MFU counts model FLOPs per counted position and unrolled step: 6 x the head's matmul parameters (forward and
 backward), 6 x V x H for the loss (target logits, draft logits, the gradient through the frozen W; no
@@ -28,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_train_step.json"
+RESULTS_ONLINE = ROOT / "benchmarks" / "results" / "gpu_train_step_online.json"
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # dense bf16 FLOP/s
 
 
@@ -47,6 +54,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if not H100/H200/A100")
+    p.add_argument("--online", action="store_true", help="compute the hidden states with the target every step")
     p.add_argument("--device", default="cuda:0", help="cpu only to smoke-test the script (no memory figures)")
     args = p.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -84,7 +92,27 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, tc.warmup_steps, 10_000, tc.min_lr_ratio))
     settings = dist.EngineSettings("single", tc.zero_stage, 1, 1, tc.micro_batch, tc.max_grad_norm)
     engine = dist.build_engine(head, opt, sched, settings, device, tc.activation_checkpointing)
-    estimate = estimate_memory(config, tc, args.seq, 1, "single", cfg.head)
+    target_states = None
+    if args.online:  # a random target of the same shape: its forward costs what the real one's does
+        from transformers import AutoModel
+
+        from mtp_train.store.precompute import HiddenStates, sample_states
+        from mtp_train.train.memory import online_target_bytes
+
+        with torch.device(device):
+            decoder = AutoModel.from_config(config, dtype=torch.bfloat16).eval().requires_grad_(False)
+        hs = HiddenStates(decoder, [])
+
+        def target_states(ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, H] float32
+            flat = ids.flatten().cpu()
+            offsets = torch.arange(0, flat.numel() + 1, ids.shape[1])
+            out = torch.empty(flat.numel(), H, device=device)
+            for rows, states, _ in sample_states(hs, flat, offsets, cfg.store.batch_tokens, cfg.store.pad_multiple):
+                out[rows.to(device)] = states[0].float()
+            return out.view(*ids.shape, H)
+    estimate = estimate_memory(config, tc, args.seq, 1, "single", cfg.head,
+                               online_target=online_target_bytes(config, 2, cfg.store.batch_tokens, 1)
+                               if args.online else 0)
 
     B, T = args.micro_batch, args.seq
     gen = torch.Generator(device=device.type).manual_seed(0)
@@ -95,6 +123,8 @@ def main() -> None:
     norm = counted_positions(batch["loss_mask"], batch["lengths"], tc.depth)
 
     def step() -> float:
+        if target_states is not None:
+            batch["hidden"] = target_states(batch["input_ids"])
         with torch.autocast(device.type, dtype=torch.bfloat16):
             outs = engine.forward(frozen.embed, batch["hidden"], batch["input_ids"], batch["lengths"], tc.depth)
         loss, _ = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
@@ -120,7 +150,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     peak = peak_flops(name, args.peak_tflops)
     result = {"gpu": name, "torch": torch.__version__, "config": args.config, "head_params": n_params,
-              "micro_batch": B, "seq": T, "depth": tc.depth, "activation_checkpointing": tc.activation_checkpointing,
+              "online": args.online, "micro_batch": B, "seq": T, "depth": tc.depth, "activation_checkpointing": tc.activation_checkpointing,
               "steps": args.steps, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
               "step_ms": round(1000 * seconds / args.steps, 2), "model_tflops": round(flops / seconds / 1e12, 1),
               "mfu": round(flops / seconds / peak, 4) if peak else None,
@@ -132,8 +162,9 @@ def main() -> None:
     print(estimate.format(torch.cuda.get_device_properties(device).total_memory if cuda else None, "single x 1"))
     print(json.dumps(result, indent=2))
     if cuda:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        out = RESULTS_ONLINE if args.online else RESULTS
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
