@@ -73,12 +73,34 @@ def same_head(a: Path, b: Path) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def subset(data: Path, out: Path, limits: dict[str, int]) -> Path:
+    """The first limits[split] samples of each split of prepared data, written as prepare writes data."""
+    import datasets
+
+    from mtp_train.data import prepare as prep
+    from mtp_train.data.chat import Tokenized
+
+    splits = {}
+    for name in ("train", "val"):
+        ds = datasets.load_from_disk(str(data / name))
+        n = limits[name] or len(ds)
+        splits[name] = [Tokenized(r["input_ids"], r["loss_mask"]) for r in ds.select(range(min(n, len(ds))))]
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest = {"tokenizer": manifest["tokenizer"], "subset_of": str(data), "limits": limits,
+                "splits": {k: prep.split_stats(v) for k, v in splits.items()}}
+    shutil.rmtree(out, ignore_errors=True)
+    prep.write(out, splits, manifest)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="tiny")
     p.add_argument("--data", required=True, help="a run directory whose data/ prepare wrote for this recipe")
     p.add_argument("--epochs", type=float, nargs="+", default=[1, 3])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--train-samples", type=int, default=0, help="the first N train samples only (0: all)")
+    p.add_argument("--val-samples", type=int, default=0, help="the first N val samples only (0: all)")
     p.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every stage")
     p.add_argument("--keep", default=None, help="keep the run directories under this folder")
     args = p.parse_args()
@@ -87,6 +109,8 @@ def main() -> None:
         raise SystemExit(f"{data}: no prepared data (run `mtp-train prepare recipe={args.recipe} run_dir={args.data}`)")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="features-bench-"))
     root.mkdir(parents=True, exist_ok=True)
+    if args.train_samples or args.val_samples:
+        data = subset(data, root / "subset" / "data", {"train": args.train_samples, "val": args.val_samples})
     rows = []
     for epochs in args.epochs:
         runs = {}

@@ -151,3 +151,38 @@ def test_export_on_a_full_disk(tmp_path, small_fs):
     for name in ("eagle-vllm", "eagle-sglang"):
         for f in ("model.safetensors", "config.json"):
             assert fmt.sha256_file(out / name / f) == fmt.sha256_file(clean / name / f), (name, f)
+
+
+def test_hybrid_training_on_a_small_disk(tmp_path, tiny_dir, small_fs):
+    """A hybrid run whose store does not fit stops before writing any shard, saying to set store.max_bytes;
+    with store.max_bytes it trains to the end, the store within the budget and the rest online."""
+    from test_features import _make_data as make_data
+
+    mount, _ = small_fs
+    ref = tmp_path / "ref"
+    make_data(ref, tiny_dir / "target")
+    pc.run(_cfg_features(ref, "store"))
+    shards = [s["bytes"] for s in fmt.read_manifest(ref / "store" / "train")["shards"]]
+    val = du(ref / "store" / "val")
+    fs = mount(du(ref / "data") + val + sum(shards[:3]) + 3 * 2**20 + 256 * 1024)  # the data, val, ~3 shards
+    run_dir = fs / "run"
+    shutil.copytree(ref / "data", run_dir / "data")
+    (tmp_path / "checkpoints").mkdir()
+    (run_dir / "checkpoints").symlink_to(tmp_path / "checkpoints")  # the small disk is the store's alone
+    with pytest.raises(DiskFull, match=r"train.features=hybrid: the 7 train shard\(s\) to write in .*store/train need "
+                                       r"about [\d,]+ bytes, [\d,]+ are free there; nothing was written. Set "
+                                       r"store.max_bytes below"):
+        Trainer(_cfg_features(run_dir, "hybrid"))
+    assert not list((run_dir / "store" / "train").glob("shard-*"))
+    budget = sum(shards[:3])
+    Trainer(_cfg_features(run_dir, "hybrid", f"store.max_bytes={budget}")).fit()
+    written = sorted(p.name for p in (run_dir / "store" / "train").glob("shard-*"))
+    assert written == [fmt.shard_name(k) for k in range(3)]
+    assert du(run_dir / "store" / "train") <= budget + 64 * 1024  # the shards, and small records
+
+
+def _cfg_features(run_dir, features, *overrides):
+    from mtp_train.config import compose
+    from test_features import STORE, TRAIN
+
+    return compose("tiny", [f"run_dir={run_dir}", *STORE, *TRAIN, f"train.features={features}", *overrides])

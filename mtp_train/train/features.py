@@ -143,6 +143,7 @@ class HybridSplit(OnlineSplit):
             self._open_reader()
             return
         if rank == 0:  # every shard file laid out (its whole length allocated) before any rank writes into one
+            self._check_space(sizes)
             for k in range(self.kept):
                 if job.finished(k) is None and not self._file(k).reopened:
                     self._forget(k)  # a file made anew holds none of the rows a record may name
@@ -160,6 +161,20 @@ class HybridSplit(OnlineSplit):
         if max_bytes and self.kept < len(job.ranges):
             say(f"train: hybrid: store.max_bytes={max_bytes:.0f} holds {self.kept} of {len(job.ranges)} train shards "
                 f"({total / 2**20:,.1f} MiB); the samples of the other {len(job.ranges) - self.kept} stay online")
+
+    def _check_space(self, sizes: list[int]) -> None:
+        """The shards still to lay out must fit on the file system, or the run stops before it writes any."""
+        from mtp_train.files import DiskFull, _free_bytes
+
+        todo = [k for k in range(self.kept) if self.job.finished(k) is None
+                and not self.job.shard_path(k).with_name(self.job.shard_path(k).name + ".tmp").is_file()]
+        needed = sum(sizes[k] for k in todo) + 2**20 * len(todo)  # each shard's header and table: under 1 MiB
+        free = _free_bytes(self.dir)
+        if free is not None and free < needed:
+            raise DiskFull(28, f"train.features=hybrid: the {len(todo)} train shard(s) to write in {self.dir} need "
+                               f"about {needed:,} bytes, {free:,} are free there; nothing was written. Set "
+                               f"store.max_bytes below what is free (the samples of the shards past it stay "
+                               "online), free space, or train with train.features=online")
 
     def _record_path(self, rank: int) -> Path:
         from mtp_train.store.format import PARTIAL
