@@ -93,6 +93,17 @@ def subset(data: Path, out: Path, limits: dict[str, int]) -> Path:
     return out
 
 
+def write(args, data: Path, rows: list[dict]) -> Path:
+    manifest = json.loads((data / "manifest.json").read_text())
+    result = {"benchmark": "features", "date": date.today().isoformat(), "machine": {**machine(int(os.environ.get(
+        "OMP_NUM_THREADS", os.cpu_count() or 1))), "cpu_model": cpu_model()}, "command": command("features.py", args),
+        "recipe": args.recipe, "data": {k: v for k, v in manifest.get("splits", {}).items()}, "rows": rows}
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"features-{args.recipe}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="tiny")
@@ -127,21 +138,17 @@ def main() -> None:
             runs[mode] = run_dir
             row = {"epochs": epochs, "mode": mode, "precompute_s": round(seconds["precompute"], 1),
                    "train_s": round(seconds["train"], 1), "total_s": round(sum(seconds.values()), 1),
-                   "store_bytes": disk_bytes(run_dir / "store"), **final_metrics(run_dir)}
+                   "store_bytes": disk_bytes(run_dir / "store"), "load_1min": round(os.getloadavg()[0], 2),
+                   **final_metrics(run_dir)}
             if mode != "store" and "store" in runs:
                 row["same_head_as_store"] = same_head(run_dir, runs["store"])
             rows.append(row)
             print(json.dumps(row), flush=True)
+            write(args, data, rows)  # after every row: a run cut short keeps what it measured
         if not args.keep:
             for d in runs.values():
                 shutil.rmtree(d, ignore_errors=True)
-    manifest = json.loads((data / "manifest.json").read_text())
-    result = {"benchmark": "features", "date": date.today().isoformat(), "machine": {**machine(int(os.environ.get(
-        "OMP_NUM_THREADS", os.cpu_count() or 1))), "cpu_model": cpu_model()}, "command": command("features.py", args),
-        "recipe": args.recipe, "data": {k: v for k, v in manifest.get("splits", {}).items()}, "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"features-{args.recipe}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out = write(args, data, rows)
     print(f"\n{args.recipe} on {cpu_model()} ({os.cpu_count()} CPUs)")
     print(f"{'epochs':>6} {'mode':<7} {'precompute s':>13} {'train s':>8} {'total s':>8} {'store MiB':>10} "
           f"{'d1 acc':>7} {'= store':>8}")

@@ -14,36 +14,24 @@ import pytest
 import torch
 
 from mtp_train.config import compose
-from mtp_train.data import prepare as prep
-from mtp_train.data.chat import Tokenized
 from mtp_train.store import format as fmt
 from mtp_train.store import precompute as pc
 from mtp_train.store.reader import StoreMismatch, StoreReader
 from mtp_train.train import checkpoint as ckpt
+from mtp_train.train.features import open_splits
 from mtp_train.train.trainer import Trainer
+from test_store import _make_data as make_data
 from test_train import killed_after, losses
 
-# 7 train shards of <= 320 tokens; forward batches of 2 samples of 64 padded tokens
+# train shards of <= 203 tokens; forward batches of 2 samples of 64 padded tokens
 STORE = ["store.shard_mb=0.2", "store.batch_tokens=128"]
 TRAIN = ["target.device=cpu", "train.micro_batch=4", "train.steps=12", "train.warmup_steps=2", "train.eval_every=0",
          "train.log_every=1", "train.lr=2e-3", "train.depth=2", "train.save_every=0"]  # 9 steps per epoch
 
 
-def _make_data(run_dir: Path, target: Path, n_train: int = 36, n_val: int = 8) -> None:
-    gen = torch.Generator().manual_seed(1)
-
-    def samples(n):
-        out = []
-        for _ in range(n):
-            t = int(torch.randint(5, 61, (1,), generator=gen))
-            mask = (torch.rand(t, generator=gen) < 0.8).long().tolist()
-            out.append(Tokenized(torch.randint(3, 8000, (t,), generator=gen).tolist(), mask))
-        return out
-
-    splits = {"train": samples(n_train), "val": samples(n_val)}
-    manifest = {"tokenizer": {"path": str(target), "sha256": prep.tokenizer_hash(target)},
-                "splits": {k: prep.split_stats(v) for k, v in splits.items()}}
-    prep.write(run_dir / "data", splits, manifest)
+def _make_data(run_dir: Path, target: Path) -> None:
+    """36 train and 8 val samples of random tokens, 3..60 long (test_store's)."""
+    make_data(run_dir, target, n_train=36, n_val=8)
 
 
 def _cfg(run_dir: Path, features: str, *overrides: str, recipe: str = "tiny"):
@@ -84,8 +72,7 @@ def test_online_features_equal_the_store_sample_for_sample(offline, data, tmp_pa
     """The states an online source computes for any set of samples are the stored ones, bit for bit, whatever
     the samples that share their batch."""
     cfg = _cfg(_fresh(tmp_path, data, "online"), "online")
-    train, val = __import__("mtp_train.train.features", fromlist=["open_splits"]).open_splits(cfg, torch.device("cpu"),
-                                                                                             0, 1)
+    train, _ = open_splits(cfg, torch.device("cpu"), 0, 1)
     reader = StoreReader(offline / "store" / "train")
     assert train.manifest["plan_hash"] == reader.manifest["plan_hash"]
     assert list(train.lengths) == list(reader.lengths)
@@ -133,6 +120,10 @@ def test_an_online_run_resumes_exactly_mid_epoch(offline, data, tmp_path, monkey
     _same_head(d, offline)
 
 
+def _shards(run_dir: Path) -> int:
+    return len(fmt.read_manifest(run_dir / "store" / "train")["shards"])
+
+
 def _shard_bytes(split: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(split.glob("shard-*.safetensors"))}
 
@@ -157,7 +148,7 @@ def test_a_hybrid_run_writes_precompute_store_byte_for_byte(offline, data, tmp_p
         assert _shard_bytes(d / "store" / split) == _shard_bytes(offline / "store" / split)
         assert _manifest_without_run(d / "store" / split) == _manifest_without_run(offline / "store" / split)
         assert not (d / "store" / split / fmt.PARTIAL).exists()
-    assert len(_shard_bytes(d / "store" / "train")) == 7
+    assert len(_shard_bytes(d / "store" / "train")) == _shards(offline) > 3
     assert main(["verify-store", str(d / "store" / "train")]) == 0
     assert losses(d) == losses(offline)
     _same_head(d, offline)
@@ -183,7 +174,7 @@ def test_a_killed_hybrid_run_resumes_with_what_it_had_written(offline, data, tmp
     split = d / "store" / "train"
     record = json.loads((split / fmt.PARTIAL / "hybrid-rank0.json").read_text())
     assert sum(len(v) for v in record["written"].values()) == 16  # 4 steps x 4 samples, at the checkpoint
-    assert sorted(p.name for p in split.glob("*.tmp")) == [f"shard-{k:05d}.safetensors.tmp" for k in range(7)]
+    assert sorted(p.name for p in split.glob("*.tmp")) == [f"{fmt.shard_name(k)}.tmp" for k in range(_shards(offline))]
     Trainer(_cfg(d, "hybrid", *args, "resume=true")).fit()
     assert _shard_bytes(split) == _shard_bytes(offline / "store" / "train")
     assert losses(d) == losses(offline)
@@ -195,7 +186,7 @@ def test_a_disk_budget_keeps_the_first_shards_and_the_rest_online(offline, data,
     budget = sum(sizes[:2]) + sizes[2] // 2  # two shards fit, the third does not
     d = _fresh(tmp_path, data, "hybrid-budget")
     Trainer(_cfg(d, "hybrid", f"store.max_bytes={budget}")).fit()
-    assert "holds 2 of 7 train shards" in capsys.readouterr().out
+    assert f"holds 2 of {_shards(offline)} train shards" in capsys.readouterr().out
     split = d / "store" / "train"
     assert _shard_bytes(split) == {k: v for k, v in _shard_bytes(offline / "store" / "train").items()
                                    if k in ("shard-00000.safetensors", "shard-00001.safetensors")}

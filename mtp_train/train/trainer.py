@@ -1,7 +1,8 @@
 """The trainer: one for every head variant. `mtp-train train` calls `run(cfg)`.
 
 Reads `run_dir/store/{train,val}` (made by precompute from this run's target and tokenizer; another store
-is refused), builds the head from the target's config.json and its frozen E / W / final norm read by key,
+is refused), or with `train.features=online|hybrid` has its own frozen target compute the features
+(`features.py`), builds the head from the target's config.json and its frozen E / W / final norm read by key,
 and fits it with AdamW, linear warm-up + cosine decay, gradient clipping and accumulation, fp32 or bf16
 autocast. Validation every `eval_every` steps and at the start (the untrained head, for comparison) and
 the end. Checkpoints every `save_every` steps resume exactly (`resume=true`).
