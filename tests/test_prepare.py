@@ -595,3 +595,75 @@ def test_regeneration_through_a_server_killed_and_stopped_resumes(tmp_path):
     assert m["regenerate"]["turns_from_journal"] == 8 and len(stubs[3].requests) == 4
     assert _dataset_digest(run_dir / "data", journal=False) == _dataset_digest(tmp_path / "clean" / "data",
                                                                                journal=False)
+
+
+def _left_by_a_killed_run(data_dir: Path) -> None:
+    """What a prepare killed during regeneration leaves: the journal alone."""
+    import shutil
+
+    for p in data_dir.iterdir():
+        if p.name != "regenerate.jsonl":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def test_a_journal_cut_short_drops_its_last_line_and_goes_on(tmp_path, capsys):
+    source = _write_jsonl(tmp_path / "c.jsonl", TWO_TURNS)
+    stub = _StubOpenAI()
+    try:
+        over = ["data.regenerate=true", "data.regen_concurrency=1", f"data.regenerate_server={stub.url}"]
+        _finish(tmp_path / "run", source, over)
+        data = tmp_path / "run" / "data"
+        whole, before = (data / "regenerate.jsonl").read_bytes(), _dataset_digest(data)
+        _left_by_a_killed_run(data)
+        (data / "regenerate.jsonl").write_bytes(whole[:-7])  # killed while the last commit was written
+        stub.requests.clear()
+        m = _finish(tmp_path / "run", source, over)
+    finally:
+        stub.close()
+    lines = whole.split(b"\n")[:-1]
+    last = len(json.loads(lines[-1])["replies"])  # the replies that finished together, committed together
+    assert f"regenerate.jsonl:{len(lines)}: dropping a last line cut short" in capsys.readouterr().out
+    assert m["regenerate"]["turns_from_journal"] == 12 - last and len(stub.requests) == last
+    assert (data / "regenerate.jsonl").read_bytes() == whole and _dataset_digest(data) == before
+
+
+def test_a_journal_of_other_inputs_or_settings_is_refused_naming_both_sides(tmp_path, capsys):
+    a = _write_jsonl(tmp_path / "a.jsonl", TWO_TURNS)
+    b = _write_jsonl(tmp_path / "b.jsonl", TWO_TURNS[:3])
+    stub = _StubOpenAI()
+    try:
+        over = ["data.regenerate=true", f"data.regenerate_server={stub.url}"]
+        _finish(tmp_path / "run", a, [*over, "data.regen_max_new_tokens=9"])
+        data = tmp_path / "run" / "data"
+        _left_by_a_killed_run(data)
+        journal = (data / "regenerate.jsonl").read_bytes()
+        with pytest.raises(ValueError) as e:
+            _finish(tmp_path / "run", b, [*over, "data.regen_max_new_tokens=5"])
+        msg = str(e.value)
+        assert msg.startswith(f"{data / 'regenerate.jsonl'} holds replies regenerated for other inputs or settings")
+        assert f"6 conversations (sha256 " in msg and f") from {a} there, 3 conversations (sha256 " in msg
+        assert f") from {b} here" in msg
+        assert 'sampling: {"max_new_tokens": 9, "temperature": 0.0} there, {"max_new_tokens": 5, ' in msg
+        assert "target" not in msg and "seed" not in msg and "data.overwrite=true" in msg
+        assert (data / "regenerate.jsonl").read_bytes() == journal and not stub.requests[12:]  # nothing changed
+        with pytest.raises(ValueError, match=r"seed: 0 there, 1 here"):
+            _finish(tmp_path / "run", a, [*over, "data.regen_max_new_tokens=9", "seed=1"])
+        m = _finish(tmp_path / "run", b, [*over, "data.regen_max_new_tokens=5", "data.overwrite=true"])
+    finally:
+        stub.close()
+    assert "data.overwrite=true: discarding" in capsys.readouterr().out
+    assert m["regenerate"]["turns_from_journal"] == 0 and m["regenerate"]["turns"] == 6
+
+
+def test_sigterm_while_the_target_loads_for_regeneration_exits_75(tmp_path):
+    from stops import signalled_run
+
+    source = _write_jsonl(tmp_path / "c.jsonl", TWO_TURNS[:2])
+    run_dir = tmp_path / "run"
+    done = signalled_run(["prepare", f"run_dir={run_dir}", f"data.sources=[{{path: {source}, split: train}}]",
+                          *REGEN], "mtp_train.inference:load_runner")
+    assert done.returncode == 75, done.stderr
+    assert "prepare: stopped on request (SIGTERM) outside a batch of replies (reading, loading the target, " \
+           "tokenizing), at once: nothing was being written" in done.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.yaml"]  # no data, no journal
+    assert (run_dir / ".lock").read_text() == ""
