@@ -363,13 +363,14 @@ class _StubOpenAI:
     """An OpenAI-compatible completions server on 127.0.0.1 (a thread): the reply names the prompt's length and
     seed; `fail` lists how many times each prompt length answers 503 first."""
 
-    def __init__(self, fail: int = 0, always: int | None = None, hold_after: int | None = None):
+    def __init__(self, fail: int = 0, always: int | None = None, hold_after: int | None = None, pad: int = 0):
         import http.server
         import threading
 
         stub = self
         self.requests, self.fail, self.always = [], fail, always
         self.hold_after, self.release = hold_after, threading.Event()  # requests past hold_after wait for release
+        self.pad = pad  # characters added to each reply
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -399,7 +400,8 @@ class _StubOpenAI:
                 seen = sum(len(r["prompt"]) == len(body["prompt"]) for r in stub.requests)
                 if seen <= stub.fail:
                     return self._send(503, {"error": "busy"})
-                self._send(200, {"choices": [{"text": f"reply to {len(body['prompt'])} tokens, seed {body['seed']}"}],
+                self._send(200, {"choices": [{"text": f"reply to {len(body['prompt'])} tokens, seed {body['seed']}"
+                                                            + " x" * (stub.pad // 2)}],
                                  "usage": {"completion_tokens": 7}})
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
