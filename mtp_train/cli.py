@@ -17,8 +17,8 @@ from pathlib import Path
 
 from mtp_train import __version__
 from mtp_train.config import ConfigError, RunConfig, available_recipes, compose, to_yaml, write_resolved
-from mtp_train.files import run_lock
-from mtp_train.preempt import EXIT_PREEMPTED, Preempted, StopRequests
+from mtp_train.files import run_lock, write_atomic
+from mtp_train.preempt import EXIT_PREEMPTED, PREEMPTED_FILE, Preempted, StopRequests
 
 EXIT_USAGE, EXIT_FAILED, EXIT_NOT_BUILT = 2, 1, 3
 
@@ -196,9 +196,15 @@ def run_stage(stage: str, rest: list[str]) -> int:
         writer = int(os.environ.get("RANK", "0")) == 0 and STAGES[stage].writes_config
         with run_lock(cfg.run_dir, stage) if writer else contextlib.nullcontext():
             if writer:
+                (Path(cfg.run_dir) / PREEMPTED_FILE).unlink(missing_ok=True)  # an earlier stop's: honoured now
                 path = write_resolved(cfg, Path(cfg.run_dir))
                 print(f"mtp-train {stage}: recipe {cfg.recipe}, run_dir {cfg.run_dir} (config: {path})", flush=True)
             entry(cfg)
+    except Preempted as e:
+        if int(os.environ.get("RANK", "0")) == 0:  # for a batch script behind torchrun (see preempt.py)
+            with contextlib.suppress(OSError):
+                write_atomic(Path(cfg.run_dir) / PREEMPTED_FILE, f"{e}\n")
+        raise
     except StageNotBuilt as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NOT_BUILT

@@ -33,6 +33,9 @@ import threading
 EXIT_PREEMPTED = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STOP_FILE = "STOP"  # `touch run_dir/STOP`: train / precompute stop as on a signal
+# written by the command line when a stage stopped on request: under torchrun the exit status says only that
+# a worker failed (torchrun exits 1 whatever its workers' codes), so a batch script reads this file instead
+PREEMPTED_FILE = "PREEMPTED"
 
 
 class Preempted(BaseException):

@@ -667,5 +667,8 @@ def test_sigterm_while_the_target_loads_for_regeneration_exits_75(tmp_path):
     assert done.returncode == 75, done.stderr
     assert "prepare: stopped on request (SIGTERM) outside a batch of replies (reading, loading the target, " \
            "tokenizing), at once: nothing was being written" in done.stderr
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.yaml"]  # no data, no journal
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "PREEMPTED", "config.yaml"]  # no data
     assert (run_dir / ".lock").read_text() == ""
+    assert (run_dir / "PREEMPTED").read_text().startswith("prepare: stopped on request (SIGTERM)")
+    assert main(["prepare", f"run_dir={run_dir}", f"data.sources=[{{path: {source}, split: train}}]", *REGEN]) == 0
+    assert not (run_dir / "PREEMPTED").exists()  # the rerun that went on honoured it

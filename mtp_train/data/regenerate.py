@@ -261,7 +261,7 @@ def regenerate(cfg: "RunConfig", tokenizer, samples: list[tuple[Record, str]],
         engine, how = {"server_model": server.model}, f"server {server.url} (model {server.model})"
     else:
         engine, how = "mtp_train.inference", "mtp_train.inference"
-        sampling["batch_size"] = data.regen_batch_size  # which rows share a batch decides padding, so the floats
+        sampling["batch_size"] = data.regen_batch_size  # rows batched together pad each other: it decides the floats
     identity = {"conversations": {"count": len(convs), "sha256": digest}, "sources": _named(sources or []),
                 "target": {"path": str(Path(cfg.target.path).resolve()),
                            "fingerprint": target_fingerprint(cfg.target.path), "dtype": cfg.target.dtype},
@@ -303,7 +303,7 @@ def _named(sources: list) -> list[dict]:
 
 
 def _local(cfg: "RunConfig", tokenizer):
-    """Our engine: reply_round(k, todo, prompts, done, journal, stop, bar), decoded in batches."""
+    """Our engine: reply_round(k, todo, prompts, done, journal, requests, bar), decoded in batches."""
     from mtp_train.inference import load_runner
     from mtp_train.inference.load import stop_tokens
 
