@@ -3,10 +3,12 @@
 SIGTERM (what Slurm and Kubernetes send before SIGKILL) and SIGUSR1 (what `#SBATCH --signal=USR1@120` sends two
 minutes before the time limit) ask a long stage to stop at its next safe point: `train` finishes the optimizer
 step in flight, writes a checkpoint on every rank and exits; `precompute` finishes the shard in flight, keeps
-every finished shard and exits. Both exit with EXIT_PREEMPTED (75, EX_TEMPFAIL: "try again"), which tells a
-requeue that the same command resumes (`resume=true` for train; precompute always resumes). A second signal
-stops the process at once; checkpoints and shards become visible only when complete (written under a
-temporary name, then renamed), so nothing partial is left where a resume would read it.
+every finished shard and exits; `prepare` finishes the batch of regenerated replies in flight (or the server
+requests in flight) and commits it to its journal. All exit with EXIT_PREEMPTED (75, EX_TEMPFAIL: "try
+again"), which tells a requeue that the same command resumes (`resume=true` for train; precompute and prepare
+always resume). A second signal stops the process at once; checkpoints and shards become visible only when
+complete (written under a temporary name, then renamed), journal commits are whole lines, so nothing partial
+is left where a resume would read it.
 
 A file `run_dir/STOP` asks `train` and `precompute` to stop the same way, without a signal: what a batch script
 does when the signal reaches it rather than the stage's processes (`launch/slurm_multinode.sbatch`: under
@@ -21,6 +23,10 @@ right where the main thread is, and the stage exits 75 at once. Around the parts
 checkpoint, a shard, a batch of regenerated replies and its journal commit, the dataset) the stage enters the
 deferred mode: the request is recorded and honoured at the next safe point. A request once made stays made (a
 deferred part entered later stops at its first safe point); a second one stops the process at once.
+
+Under torchrun the exit status does not carry the 75 (torchrun exits 1 when a worker exits with anything but
+0), so the command line's first process also writes `run_dir/PREEMPTED` (the message) when its stage stopped on
+request; the next run of a stage removes it. `launch/slurm_multinode.sbatch` requeues on either.
 """
 
 from __future__ import annotations

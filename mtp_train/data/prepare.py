@@ -306,7 +306,8 @@ def _run(cfg: "RunConfig") -> dict:
                        "tokens_per_s": round(n_tokens / seconds, 1)},
     }
     with StopRequests("prepare", "dataset write"):  # never cut short: a request here ends a finished run
-        write(out_dir, splits, manifest, keep=[Path(regen["journal"])] if regen else [])
+        journal = Path(regen["journal"]) if regen else None  # none when nothing was regenerated
+        write(out_dir, splits, manifest, keep=[journal] if journal is not None and journal.is_file() else [])
     print(format_summary(manifest, out_dir))
     return manifest
 
