@@ -672,3 +672,18 @@ def test_sigterm_while_the_target_loads_for_regeneration_exits_75(tmp_path):
     assert (run_dir / "PREEMPTED").read_text().startswith("prepare: stopped on request (SIGTERM)")
     assert main(["prepare", f"run_dir={run_dir}", f"data.sources=[{{path: {source}, split: train}}]", *REGEN]) == 0
     assert not (run_dir / "PREEMPTED").exists()  # the rerun that went on honoured it
+
+
+def test_preparing_again_with_settings_that_keep_the_replies_reuses_the_journal(tmp_path):
+    source = _write_jsonl(tmp_path / "c.jsonl", TWO_TURNS)
+    stub = _StubOpenAI()
+    try:
+        over = ["data.regenerate=true", f"data.regenerate_server={stub.url}"]
+        _finish(tmp_path / "run", source, over)
+        asked = len(stub.requests)
+        m = _finish(tmp_path / "run", source, [*over, "data.max_length=40", "data.overwrite=true"])
+    finally:
+        stub.close()
+    assert asked == 12 and len(stub.requests) == 12  # nothing asked again
+    assert m["regenerate"]["turns_from_journal"] == 12 and m["counts"]["truncated"] > 0
+    assert (tmp_path / "run" / "data" / "regenerate.jsonl").is_file()
