@@ -6,7 +6,7 @@ engine produces when it decodes alone. Turns are regenerated in rounds: round k 
 assistant turn of every conversation, so a later turn's prompt already holds the target's earlier replies
 (as it would when the target serves the conversation). Prompts (system and user turns) are kept. Within a
 round the prompts are sorted by length and decoded `regen_batch_size` at a time (left-padded; a finished
-row leaves the batch); greedy at temperature 0, otherwise sampled with the run's seed.
+row leaves the batch); greedy at temperature 0, otherwise sampled, each batch with its own seed (below).
 
 With `data.regenerate_server` (an OpenAI-compatible endpoint: vLLM, SGLang, serving the run's target) the
 replies come from that server instead, `data.regen_concurrency` requests in flight, the prompt sent as token
