@@ -17,8 +17,8 @@ from pathlib import Path
 
 from mtp_train import __version__
 from mtp_train.config import ConfigError, RunConfig, available_recipes, compose, to_yaml, write_resolved
-from mtp_train.files import run_lock
-from mtp_train.preempt import EXIT_PREEMPTED, Preempted
+from mtp_train.files import run_lock, write_atomic
+from mtp_train.preempt import EXIT_PREEMPTED, PREEMPTED_FILE, Preempted, StopRequests
 
 EXIT_USAGE, EXIT_FAILED, EXIT_NOT_BUILT = 2, 1, 3
 
@@ -33,6 +33,7 @@ class Stage:
 
 
 PIPELINE = ("prepare", "precompute", "train", "validate", "export")
+STOPPABLE = ("prepare", "precompute", "train")  # a stop request exits 75: the same command goes on
 STAGES: dict[str, Stage] = {
     "prepare": Stage("conversations / text -> token ids + assistant-only loss masks (run_dir/data)",
                      "mtp_train.data.prepare:run"),
@@ -162,6 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in rest):
         print(f"mtp-train {stage}: {STAGES[stage].help}\n\n{usage()}")
         return 0
+    try:  # a stop request from here on, before the stage is even imported, exits 75 (mtp_train/preempt.py)
+        with StopRequests(stage, "during start-up", at_once=True) if stage in STOPPABLE else contextlib.nullcontext():
+            return run_stage(stage, rest)
+    except Preempted as e:  # SIGTERM / SIGUSR1: stopped at a safe point, the work so far kept
+        print(str(e), file=sys.stderr)
+        return EXIT_PREEMPTED
+
+
+def run_stage(stage: str, rest: list[str]) -> int:
+    """`mtp-train <stage> [key=value ...]` once the stage is known: compose, record the config, run."""
     show_cfg = "--cfg" in rest
     overrides = [a for a in rest if a != "--cfg"]
     flags = [a for a in overrides if a.startswith("-")]
@@ -189,15 +200,18 @@ def main(argv: list[str] | None = None) -> int:
         writer = int(os.environ.get("RANK", "0")) == 0 and STAGES[stage].writes_config
         with run_lock(cfg.run_dir, stage) if writer else contextlib.nullcontext():
             if writer:
+                (Path(cfg.run_dir) / PREEMPTED_FILE).unlink(missing_ok=True)  # an earlier stop's: honoured now
                 path = write_resolved(cfg, Path(cfg.run_dir))
                 print(f"mtp-train {stage}: recipe {cfg.recipe}, run_dir {cfg.run_dir} (config: {path})", flush=True)
             entry(cfg)
+    except Preempted as e:
+        if int(os.environ.get("RANK", "0")) == 0:  # for a batch script behind torchrun (see preempt.py)
+            with contextlib.suppress(OSError):
+                write_atomic(Path(cfg.run_dir) / PREEMPTED_FILE, f"{e}\n")
+        raise
     except StageNotBuilt as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NOT_BUILT
-    except Preempted as e:  # SIGTERM / SIGUSR1: stopped at a safe point, the work so far kept
-        print(str(e), file=sys.stderr)
-        return EXIT_PREEMPTED
     except (OSError, ValueError) as e:  # bad inputs: the message names what and where
         if os.environ.get("MTP_TRAIN_DEBUG"):
             traceback.print_exc()

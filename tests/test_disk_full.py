@@ -186,3 +186,34 @@ def _cfg_features(run_dir, features, *overrides):
     from test_features import STORE, TRAIN
 
     return compose("tiny", [f"run_dir={run_dir}", *STORE, *TRAIN, f"train.features={features}", *overrides])
+
+
+def test_regeneration_journal_on_a_full_disk(tmp_path, small_fs):
+    """The journal's commit that hits the full disk is cut back to whole lines, the error names the journal and
+    what is kept; after the filesystem grows the same command goes on from the journal to the dataset of an
+    uninterrupted run."""
+    from test_prepare import TWO_TURNS, _dataset_digest, _finish, _StubOpenAI, _write_jsonl
+
+    mount, grow = small_fs
+    source = _write_jsonl(tmp_path / "c.jsonl", TWO_TURNS)
+    stub = _StubOpenAI(pad=1500)  # 12 replies of 1.5 kB: the journal outgrows 8 kB
+    over = ["data.regenerate=true", "data.regen_concurrency=1", f"data.regenerate_server={stub.url}"]
+    try:
+        _finish(tmp_path / "clean", source, over)
+        run_dir = mount(8192) / "run"
+        with pytest.raises(DiskFull) as e:
+            _finish(run_dir, source, over)
+        journal = run_dir / "data" / "regenerate.jsonl"
+        assert f"no space left writing the regeneration journal {journal}: it needs about" in str(e.value)
+        assert "replies committed before are kept in" in str(e.value)
+        raw = journal.read_bytes()
+        assert raw.endswith(b"\n") and all(json.loads(line) for line in raw.split(b"\n")[:-1])  # whole lines
+        kept = sum(len(json.loads(line)["replies"]) for line in raw.split(b"\n")[1:-1])
+        assert 0 < kept < 12
+        grow(1 << 20)
+        m = _finish(run_dir, source, over)
+    finally:
+        stub.close()
+    assert m["regenerate"]["turns_from_journal"] == kept
+    assert _dataset_digest(run_dir / "data", journal=False) == _dataset_digest(tmp_path / "clean" / "data",
+                                                                               journal=False)

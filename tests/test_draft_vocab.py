@@ -182,7 +182,7 @@ def expected_vocab(samples, n: int, V: int = 8192) -> list[int]:
 def test_training_with_a_draft_vocabulary(tmp_path, samples, tiny_dir, capsys):  # noqa: F811
     """The N most frequent trained tokens of store/train, recorded in draft_vocab.json and in the checkpoint
     (read back as validate, generate and export read it); the head learns, with honest metrics."""
-    from mtp_train.train.checkpoint import read_head
+    from mtp_train.model.checkpoint import read_head
 
     make_store(tmp_path, samples, tiny_dir / "target")
     N = 256
@@ -233,7 +233,7 @@ def test_resume_with_a_draft_vocabulary_is_exact_and_refuses_another_size(tmp_pa
 @pytest.fixture(scope="module")
 def vocab_drafter(trained_run, tiny_run_config, tiny_dir, target):  # noqa: F811
     """The trained (full-vocabulary) head restricted to the 512 most frequent trained tokens of its store."""
-    from mtp_train.train.checkpoint import read_head
+    from mtp_train.model.checkpoint import read_head
 
     trained, _ = read_head(tiny_run_config(trained_run))
     head = DraftHead(AutoConfig.from_pretrained(tiny_dir / "target"),

@@ -351,7 +351,7 @@ MISTAKES = {
 def test_the_classic_mistakes_are_caught(exported, tiny_dir, tmp_path, mistake):
     """The exports pass each engine's reading; each classic train/serve mismatch, planted in a copy, fails it."""
     from mtp_train.export.eagle3 import check_engine_round_trip
-    from mtp_train.train.checkpoint import read_head
+    from mtp_train.model.checkpoint import read_head
 
     cfg, paths = exported
     head, _ = read_head(cfg)

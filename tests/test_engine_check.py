@@ -97,7 +97,7 @@ def test_our_side_drafts_with_the_exported_weights_not_the_latest_checkpoint(eag
     """Training on after the export: the engine check still compares the head the export holds."""
     from mtp_train.export.engine_check import exported_head
     from mtp_train.inference import load_runner
-    from mtp_train.train.checkpoint import read_head
+    from mtp_train.model.checkpoint import read_head
 
     run_dir, overrides, _ = eagle_run
     copy = tmp_path / "run"

@@ -100,7 +100,7 @@ def test_hf_mtp_config_of_targets_whose_class_fills_in_layer_types(model_type):
 
 def test_each_layout_read_back_gives_the_trained_logits(exported, tiny_target):
     """Exact in fp32: the export holds the trained head's numbers under other names, nothing else."""
-    from mtp_train.train.checkpoint import read_head
+    from mtp_train.model.checkpoint import read_head
 
     model, frozen = tiny_target
     trained, meta = read_head(exported)
@@ -152,7 +152,7 @@ def test_stitched_runs_the_head_in_stock_transformers_generate(exported, tiny_di
     assert 2 <= len(drafted) <= DRAFT_STEPS_AT_MOST, len(drafted)
 
     # transformers' MtpLayer, loaded from the stitched directory, computes exactly what DraftHead does
-    from mtp_train.train.checkpoint import read_head
+    from mtp_train.model.checkpoint import read_head
 
     mtp_layer, rotary = loaded[0].layers[0], loaded[0].rotary_emb
     trained, _ = read_head(exported)

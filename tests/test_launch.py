@@ -75,17 +75,27 @@ def test_slurm_rendezvous_on_the_first_node(stand_ins):
     assert "--nproc_per_node=4" in lines and lines[-4:] == ["store.gpus_per_process=2", *ARGS]
 
 
-def test_slurm_time_limit_notice_stops_the_stage_and_requeues(stand_ins, tmp_path):
+# how the stage ends once run_dir/STOP exists: exit 75 (one process), or as torchrun ends when its workers exit
+# 75 (it exits 1; mtp-train's first process wrote run_dir/PREEMPTED), or failing for another reason
+ENDINGS = {"exit 75": ("exit 75", 75), "torchrun": ('echo stopped > "$d/PREEMPTED"; exit 1', 75),
+           "failed": ("exit 1", 1)}
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_slurm_time_limit_notice_stops_the_stage_and_requeues(stand_ins, tmp_path, ending):
     """Slurm's USR1 reaches the batch script: it creates run_dir/STOP, the stage (a stand-in that waits for it)
-    exits 75 as mtp-train does when it stops with its work kept, and the script requeues the job."""
+    stops as mtp-train does when it stops with its work kept, and the script requeues the job; a stage that
+    failed is not requeued. A PREEMPTED file left by an earlier run does not count."""
     import signal
     import time
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    (run_dir / "PREEMPTED").write_text("an earlier run's\n")
     stage = tmp_path / "bin" / "fake-stage"
     stage.write_text('#!/usr/bin/env bash\nfor a in "$@"; do [[ "$a" == run_dir=* ]] && d=${a#run_dir=}; done\n'
-                     'touch "$d/started"; while [[ ! -e "$d/STOP" ]]; do sleep 0.05; done; exit 75\n')
+                     'touch "$d/started"; while [[ ! -e "$d/STOP" ]]; do sleep 0.05; done; '
+                     f"{ENDINGS[ending][0]}\n")
     stage.chmod(0o755)
     env = {**stand_ins, "PYTHON": "fake-stage", "SLURM_JOB_NODELIST": "node-a", "SLURM_JOB_NUM_NODES": "1",
            "SLURM_JOB_ID": "77"}
@@ -97,9 +107,21 @@ def test_slurm_time_limit_notice_stops_the_stage_and_requeues(stand_ins, tmp_pat
         time.sleep(0.02)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 75, err
+    assert proc.returncode == ENDINGS[ending][1], err
     assert "asking train to stop after its current step or shard" in out
-    assert "requeueing job 77" in out and "scontrol requeue 77" in out
+    requeued = "requeueing job 77" in out and "scontrol requeue 77" in out
+    assert requeued == (ending != "failed")
     no_dir = subprocess.run([str(LAUNCH / "slurm_multinode.sbatch"), "recipe=tiny"], env=env, capture_output=True,
                             text=True)
     assert no_dir.returncode == 2 and "pass run_dir=" in no_dir.stderr
+
+
+def test_torchrun_exits_1_when_its_workers_exit_75(tmp_path):
+    """Why the Slurm script reads run_dir/PREEMPTED: torchrun does not pass its workers' 75 on."""
+    import sys
+
+    script = tmp_path / "stop.py"
+    script.write_text("import sys\nsys.exit(75)\n")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "exitcode  : 75" in done.stderr

@@ -91,3 +91,37 @@ def test_a_stop_file_stops_training_like_a_signal(tmp_path, samples, tiny_dir): 
         Trainer(config(tmp_path, *ARGS)).fit()
     assert ckpt.latest(tmp_path / "checkpoints").name == "step-000001" and not (tmp_path / "STOP").exists()
     assert Trainer(config(tmp_path, *ARGS, "resume=true")).step == 1
+
+
+@pytest.mark.parametrize("at", ["mtp_train.train.trainer:build_head",  # the target's tensors load
+                                "mtp_train.train.distributed:build_engine",  # DDP / DeepSpeed initialise
+                                "mtp_train.train.trainer:Trainer.validate"])  # the step-0 evaluation
+def test_sigterm_during_start_up_exits_75_with_nothing_written(tmp_path, samples, tiny_dir, at):  # noqa: F811
+    """Before step 1 a stop request ends train at once (not with the default handler's 143); no checkpoint, no
+    training step, the lock released; the same command with resume=true then trains from step 0."""
+    from stops import signalled_run
+
+    make_store(tmp_path, samples, tiny_dir / "target")
+    args = ["train", "recipe=tiny", f"run_dir={tmp_path}", "train.micro_batch=8", "train.eval_every=0", *ARGS]
+    done = signalled_run(args, at)
+    assert f"stops: signalling in {at}" in done.stderr
+    assert done.returncode == EXIT_PREEMPTED, done.stderr
+    assert "train: stopped on request (SIGTERM) outside an optimizer step (start-up: loading, initialising, the " \
+           "step-0 evaluation), at once: nothing was being written" in done.stderr
+    assert "the same command with resume=true goes on" in done.stderr
+    assert not (tmp_path / "checkpoints").exists() and (tmp_path / ".lock").read_text() == ""
+    metrics = tmp_path / "metrics.jsonl"
+    assert not metrics.exists() or not any("train/loss" in r for r in metrics.read_text().splitlines())
+    t = Trainer(config(tmp_path, *ARGS, "train.steps=2", "resume=true"))
+    assert t.step == 0 and t.fit()["steps"] == 2
+
+
+def test_sigterm_as_soon_as_train_starts_exits_75(tmp_path, samples, tiny_dir):  # noqa: F811
+    """A signal sent from outside the moment the process speaks (it is still importing and loading)."""
+    make_store(tmp_path, samples, tiny_dir / "target")
+    proc = start_train(tmp_path)
+    assert "mtp-train train: recipe tiny" in proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert "train: stopped on request (SIGTERM)" in err and not (tmp_path / "checkpoints").exists()

@@ -155,9 +155,10 @@ def test_missing_source_fails_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "run" / "data").exists()
 
 
-def _dataset_digest(data_dir: Path) -> dict:
+def _dataset_digest(data_dir: Path, journal: bool = True) -> dict:
+    skip = ("manifest.json",) if journal else ("manifest.json", "regenerate.jsonl")
     return {str(p.relative_to(data_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(data_dir.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+            for p in sorted(data_dir.rglob("*")) if p.is_file() and p.name not in skip}
 
 
 def test_same_inputs_give_a_byte_identical_dataset(tmp_path):
@@ -362,12 +363,14 @@ class _StubOpenAI:
     """An OpenAI-compatible completions server on 127.0.0.1 (a thread): the reply names the prompt's length and
     seed; `fail` lists how many times each prompt length answers 503 first."""
 
-    def __init__(self, fail: int = 0, always: int | None = None):
+    def __init__(self, fail: int = 0, always: int | None = None, hold_after: int | None = None, pad: int = 0):
         import http.server
         import threading
 
         stub = self
         self.requests, self.fail, self.always = [], fail, always
+        self.hold_after, self.release = hold_after, threading.Event()  # requests past hold_after wait for release
+        self.pad = pad  # characters added to each reply
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -379,7 +382,10 @@ class _StubOpenAI:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client was killed while it waited
+                    pass
 
             def do_GET(self):
                 self._send(200, {"data": [{"id": "tiny-target"}]} if self.path == "/v1/models" else {})
@@ -387,12 +393,15 @@ class _StubOpenAI:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stub.requests.append(body)
+                if stub.hold_after is not None and len(stub.requests) > stub.hold_after:
+                    stub.release.wait(60)
                 if stub.always is not None:
                     return self._send(stub.always, {"error": "broken"})
                 seen = sum(len(r["prompt"]) == len(body["prompt"]) for r in stub.requests)
                 if seen <= stub.fail:
                     return self._send(503, {"error": "busy"})
-                self._send(200, {"choices": [{"text": f"reply to {len(body['prompt'])} tokens, seed {body['seed']}"}],
+                self._send(200, {"choices": [{"text": f"reply to {len(body['prompt'])} tokens, seed {body['seed']}"
+                                                            + " x" * (stub.pad // 2)}],
                                  "usage": {"completion_tokens": 7}})
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -400,6 +409,7 @@ class _StubOpenAI:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self):
+        self.release.set()
         self.httpd.shutdown()
 
 
@@ -466,3 +476,214 @@ def test_regenerate_server_errors_write_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "data").exists()
     with pytest.raises(ValueError, match="expected an http"):
         _cfg(tmp_path, [], "data.regenerate_server=localhost:8000")
+
+
+# -- regeneration that resumes ------------------------------------------------------------------------------
+TWO_TURNS = [{"messages": [{"role": "user", "content": f"Write `def f{i}(x)`." + " x" * i},
+                           {"role": "assistant", "content": "OLD1"}, {"role": "user", "content": "Again."},
+                           {"role": "assistant", "content": "OLD2"}]} for i in range(6)]
+REGEN = ["data.regenerate=true", "data.regen_batch_size=2", "data.regen_max_new_tokens=4",
+         "data.regen_temperature=0.8"]  # sampled: each batch's seed must not depend on where the run started
+
+
+def _journal_replies(run_dir: Path) -> int:
+    path = run_dir / "data" / "regenerate.jsonl"
+    if not path.is_file():
+        return 0
+    lines = path.read_bytes().split(b"\n")[1:-1]  # whole lines after the header
+    return sum(len(json.loads(line)["replies"]) for line in lines)
+
+
+def _start_prepare(run_dir: Path, source: Path, *overrides: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "mtp_train.cli", "prepare", f"run_dir={run_dir}",
+                             f"data.sources=[{{path: {source}, split: train}}]", *overrides],
+                            cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_replies(run_dir: Path, proc, n: int, timeout: float = 240) -> int:
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        got = _journal_replies(run_dir)
+        if got >= n:
+            return got
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise TimeoutError(f"fewer than {n} replies committed in {timeout}s")
+
+
+def _interrupt(run_dir: Path, source: Path, overrides, sig, at: int, then=lambda: None):
+    """A real `mtp-train prepare` sent `sig` once `at` replies are committed (`then` runs after the signal):
+    -> (exit status, stdout, stderr, replies committed when it ended)."""
+    proc = _start_prepare(run_dir, source, *overrides)
+    _wait_for_replies(run_dir, proc, at)
+    proc.send_signal(sig)
+    then()
+    out, err = proc.communicate(timeout=120)
+    assert not (run_dir / "data" / "manifest.json").exists()
+    return proc.returncode, out, err, _journal_replies(run_dir)
+
+
+def _finish(run_dir: Path, source: Path, overrides) -> dict:
+    cfg = compose("tiny", [f"run_dir={run_dir}", *overrides])
+    cfg.data.sources = [SourceConfig(path=str(source), split="train")]
+    return prep.run(cfg)
+
+
+def test_regeneration_killed_and_stopped_resumes_to_the_same_dataset(tmp_path, capsys):
+    """Our engine, in a real `mtp-train prepare`: SIGKILL mid-round; started again, SIGTERM (the batch in flight
+    finished and committed, exit 75); then the rest in this process: the dataset and the journal equal an
+    uninterrupted run's, byte for byte, with sampled replies."""
+    import signal
+
+    source = _write_jsonl(tmp_path / "c.jsonl", TWO_TURNS)
+    _finish(tmp_path / "clean", source, REGEN)
+    run_dir, journal = tmp_path / "stopped", tmp_path / "stopped" / "data" / "regenerate.jsonl"
+    rc, _, _, killed = _interrupt(run_dir, source, REGEN, signal.SIGKILL, at=2)
+    assert rc == -signal.SIGKILL and 2 <= killed < 12
+    rc, out, err, stopped = _interrupt(run_dir, source, REGEN, signal.SIGTERM, at=killed + 2)
+    assert rc == 75, err
+    assert f"{killed} of 12 regenerated replies are in {journal}; going on from there" in out
+    assert "SIGTERM received: stopping after the batch of replies in flight" in err
+    assert f"prepare: stopped on request (SIGTERM) after the batch in flight; {stopped} regenerated replies are " \
+           f"committed to {journal}: the same command goes on from there" in err
+    assert killed + 2 <= stopped < 12 and stopped % 2 == 0  # whole batches of 2
+    capsys.readouterr()
+    m = _finish(run_dir, source, REGEN)
+    assert m["regenerate"]["turns_from_journal"] == stopped and m["regenerate"]["turns"] == 12
+    assert _dataset_digest(run_dir / "data") == _dataset_digest(tmp_path / "clean" / "data")
+    assert "regenerate.jsonl" in _dataset_digest(run_dir / "data")
+    assert _finish(run_dir, source, REGEN) == m and "is up to date" in capsys.readouterr().out
+
+
+def test_regeneration_through_a_server_killed_and_stopped_resumes(tmp_path):
+    """data.regenerate_server: the stub answers 4 requests, then holds the next: SIGKILL there. Started again
+    against another server (another port), 2 answered, 2 held: SIGTERM, then the held ones are let through and
+    committed, the 4 not sent yet are never sent, exit 75. The rest asks only for the 4 turns the journal lacks,
+    and the dataset equals an uninterrupted run's."""
+    import signal
+    import time
+
+    source = _write_jsonl(tmp_path / "c.jsonl", TWO_TURNS)
+    over = ["data.regenerate=true", "data.regen_concurrency=2"]
+    stubs = [_StubOpenAI(), _StubOpenAI(hold_after=4), _StubOpenAI(hold_after=2), _StubOpenAI()]
+    try:
+        _finish(tmp_path / "clean", source, [*over, f"data.regenerate_server={stubs[0].url}"])
+        run_dir = tmp_path / "stopped"
+        rc, _, _, killed = _interrupt(run_dir, source, [*over, f"data.regenerate_server={stubs[1].url}"],
+                                      signal.SIGKILL, at=4)
+        assert rc == -signal.SIGKILL and killed == 4
+
+        def let_through():
+            time.sleep(1.0)  # the signal is in before the held requests answer
+            stubs[2].release.set()
+
+        rc, out, err, stopped = _interrupt(run_dir, source, [*over, f"data.regenerate_server={stubs[2].url}"],
+                                           signal.SIGTERM, at=6, then=let_through)
+        assert rc == 75, err
+        assert "after the requests in flight; 8 regenerated replies are committed" in err
+        assert stopped == 8 and len(stubs[2].requests) == 4  # 2 answered, 2 in flight; nothing sent after
+        m = _finish(run_dir, source, [*over, f"data.regenerate_server={stubs[3].url}"])
+    finally:
+        for stub in stubs:
+            stub.close()
+    assert m["regenerate"]["turns_from_journal"] == 8 and len(stubs[3].requests) == 4
+    assert _dataset_digest(run_dir / "data", journal=False) == _dataset_digest(tmp_path / "clean" / "data",
+                                                                               journal=False)
+
+
+def _left_by_a_killed_run(data_dir: Path) -> None:
+    """What a prepare killed during regeneration leaves: the journal alone."""
+    import shutil
+
+    for p in data_dir.iterdir():
+        if p.name != "regenerate.jsonl":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def test_a_journal_cut_short_drops_its_last_line_and_goes_on(tmp_path, capsys):
+    source = _write_jsonl(tmp_path / "c.jsonl", TWO_TURNS)
+    stub = _StubOpenAI()
+    try:
+        over = ["data.regenerate=true", "data.regen_concurrency=1", f"data.regenerate_server={stub.url}"]
+        _finish(tmp_path / "run", source, over)
+        data = tmp_path / "run" / "data"
+        whole, before = (data / "regenerate.jsonl").read_bytes(), _dataset_digest(data)
+        _left_by_a_killed_run(data)
+        (data / "regenerate.jsonl").write_bytes(whole[:-7])  # killed while the last commit was written
+        stub.requests.clear()
+        m = _finish(tmp_path / "run", source, over)
+    finally:
+        stub.close()
+    lines = whole.split(b"\n")[:-1]
+    last = len(json.loads(lines[-1])["replies"])  # the replies that finished together, committed together
+    assert f"regenerate.jsonl:{len(lines)}: dropping a last line cut short" in capsys.readouterr().out
+    assert m["regenerate"]["turns_from_journal"] == 12 - last and len(stub.requests) == last
+    assert (data / "regenerate.jsonl").read_bytes() == whole and _dataset_digest(data) == before
+
+
+def test_a_journal_of_other_inputs_or_settings_is_refused_naming_both_sides(tmp_path, capsys):
+    a = _write_jsonl(tmp_path / "a.jsonl", TWO_TURNS)
+    b = _write_jsonl(tmp_path / "b.jsonl", TWO_TURNS[:3])
+    stub = _StubOpenAI()
+    try:
+        over = ["data.regenerate=true", f"data.regenerate_server={stub.url}"]
+        _finish(tmp_path / "run", a, [*over, "data.regen_max_new_tokens=9"])
+        data = tmp_path / "run" / "data"
+        _left_by_a_killed_run(data)
+        journal = (data / "regenerate.jsonl").read_bytes()
+        with pytest.raises(ValueError) as e:
+            _finish(tmp_path / "run", b, [*over, "data.regen_max_new_tokens=5"])
+        msg = str(e.value)
+        assert msg.startswith(f"{data / 'regenerate.jsonl'} holds replies regenerated for other inputs or settings")
+        assert f"6 conversations (sha256 " in msg and f") from {a} there, 3 conversations (sha256 " in msg
+        assert f") from {b} here" in msg
+        assert 'sampling: {"max_new_tokens": 9, "temperature": 0.0} there, {"max_new_tokens": 5, ' in msg
+        assert "target" not in msg and "seed" not in msg and "data.overwrite=true" in msg
+        assert (data / "regenerate.jsonl").read_bytes() == journal and not stub.requests[12:]  # nothing changed
+        with pytest.raises(ValueError, match=r"seed: 0 there, 1 here"):
+            _finish(tmp_path / "run", a, [*over, "data.regen_max_new_tokens=9", "seed=1"])
+        m = _finish(tmp_path / "run", b, [*over, "data.regen_max_new_tokens=5", "data.overwrite=true"])
+    finally:
+        stub.close()
+    assert "data.overwrite=true: discarding" in capsys.readouterr().out
+    assert m["regenerate"]["turns_from_journal"] == 0 and m["regenerate"]["turns"] == 6
+
+
+def test_sigterm_while_the_target_loads_for_regeneration_exits_75(tmp_path):
+    from stops import signalled_run
+
+    source = _write_jsonl(tmp_path / "c.jsonl", TWO_TURNS[:2])
+    run_dir = tmp_path / "run"
+    done = signalled_run(["prepare", f"run_dir={run_dir}", f"data.sources=[{{path: {source}, split: train}}]",
+                          *REGEN], "mtp_train.inference:load_runner")
+    assert done.returncode == 75, done.stderr
+    assert "prepare: stopped on request (SIGTERM) outside a batch of replies (reading, loading the target, " \
+           "tokenizing), at once: nothing was being written" in done.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "PREEMPTED", "config.yaml"]  # no data
+    assert (run_dir / ".lock").read_text() == ""
+    assert (run_dir / "PREEMPTED").read_text().startswith("prepare: stopped on request (SIGTERM)")
+    assert main(["prepare", f"run_dir={run_dir}", f"data.sources=[{{path: {source}, split: train}}]", *REGEN]) == 0
+    assert not (run_dir / "PREEMPTED").exists()  # the rerun that went on honoured it
+
+
+def test_preparing_again_with_settings_that_keep_the_replies_reuses_the_journal(tmp_path):
+    source = _write_jsonl(tmp_path / "c.jsonl", TWO_TURNS)
+    stub = _StubOpenAI()
+    try:
+        over = ["data.regenerate=true", f"data.regenerate_server={stub.url}"]
+        _finish(tmp_path / "run", source, over)
+        asked = len(stub.requests)
+        m = _finish(tmp_path / "run", source, [*over, "data.max_length=40", "data.overwrite=true"])
+    finally:
+        stub.close()
+    assert asked == 12 and len(stub.requests) == 12  # nothing asked again
+    assert m["regenerate"]["turns_from_journal"] == 12 and m["counts"]["truncated"] > 0
+    assert (tmp_path / "run" / "data" / "regenerate.jsonl").is_file()

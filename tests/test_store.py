@@ -350,3 +350,22 @@ def test_length_batches_and_plan():
     assert pc.length_batches([64, 60, 64, 1], 128, multiple=64) == [[0, 2], [1, 3]]  # all padded to 64
     assert fmt.plan_shards([5, 50, 0, 20, 49, 7, 300], 60) == [(0, 3), (3, 4), (4, 6), (6, 7)]
     assert fmt.plan_shards([], 10) == []
+
+
+def test_sigterm_while_the_target_loads_exits_75(tmp_path, tiny_dir):
+    """A stop request before the first shard (the target loading) ends precompute at once with 75, the plan
+    recorded and no shard; the same command then completes."""
+    from stops import signalled_run
+
+    from mtp_train.preempt import EXIT_PREEMPTED
+
+    run_dir = tmp_path / "run"
+    _make_data(run_dir, tiny_dir / "target")
+    args = ["precompute", "recipe=tiny", f"run_dir={run_dir}", *SETTINGS]
+    done = signalled_run(args, "mtp_train.store.precompute:load_decoder")
+    assert done.returncode == EXIT_PREEMPTED, done.stderr
+    assert "precompute: stopped on request (SIGTERM) outside a shard (start-up: planning, loading the target), at " \
+           "once: nothing was being written" in done.stderr
+    split = run_dir / "store" / "train"
+    assert not _shards(split) and not (split / fmt.MANIFEST).exists() and not list(split.glob("*.tmp"))
+    assert set(pc.run(compose("tiny", [f"run_dir={run_dir}", *SETTINGS]))) == {"train", "val"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -30,6 +31,7 @@ from mtp_train.data.chat import BadRecord, Tokenized, tokenize_conversation, tok
 from mtp_train.data.sources import Record, SourceConfig, check_exists, file_digests, read_source
 from mtp_train.files import replace_dir, space_for, write_json
 from mtp_train.model.target import load_tokenizer, target_fingerprint
+from mtp_train.preempt import StopRequests
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
@@ -203,8 +205,9 @@ def _shuffled(items: list, seed: str) -> list:
     return [items[i] for i in order]
 
 
-def write(out_dir: Path, splits: dict[str, list[Tokenized]], manifest: dict) -> None:
-    """Both splits and the manifest into a temporary directory, then renamed to `out_dir`."""
+def write(out_dir: Path, splits: dict[str, list[Tokenized]], manifest: dict, keep: list[Path] = ()) -> None:
+    """Both splits and the manifest into a temporary directory, then renamed to `out_dir`; the files of `keep`
+    (in `out_dir`: the regeneration journal) go along (linked, not copied)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -224,7 +227,16 @@ def write(out_dir: Path, splits: dict[str, list[Tokenized]], manifest: dict) -> 
                                              "loss_mask": [r.loss_mask for r in rows]}, features=features)
             ds.save_to_disk(str(tmp / name))
         write_json(tmp / "manifest.json", manifest)
+        for f in keep:
+            _link_or_copy(f, tmp / f.name)
     replace_dir(tmp, out_dir)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a file system without hard links
+        shutil.copy2(src, dst)
 
 
 def split_stats(rows: list[Tokenized]) -> dict:
@@ -233,6 +245,16 @@ def split_stats(rows: list[Tokenized]) -> dict:
 
 
 def run(cfg: "RunConfig") -> dict:
+    """`mtp-train prepare`. A stop request while the sources are read, the target loads or the samples are
+    tokenized stops it at once; during regeneration after the batch in flight, its replies kept in the journal;
+    during the dataset's write after the write."""
+    with StopRequests("prepare", "outside a batch of replies (reading, loading the target, tokenizing)",
+                      at_once=True, then="the same command goes on (regenerated replies committed to "
+                                         f"{Path(cfg.run_dir) / 'data' / 'regenerate.jsonl'} are kept)"):
+        return _run(cfg)
+
+
+def _run(cfg: "RunConfig") -> dict:
     data = cfg.data
     out_dir = Path(cfg.run_dir) / "data"
     if not data.sources:
@@ -258,7 +280,7 @@ def run(cfg: "RunConfig") -> dict:
     if data.regenerate:  # before weighting, so a repeated conversation is generated once
         from mtp_train.data.regenerate import regenerate
 
-        rewritten, regen = regenerate(cfg, tokenizer, [(r, s) for _, r, s in samples])
+        rewritten, regen = regenerate(cfg, tokenizer, [(r, s) for _, r, s in samples], sources)
         samples = [(i, r, s) for (i, _, _), (r, s) in zip(samples, rewritten)]
     splits, counts = tokenize(cfg, tokenizer, weigh(cfg, samples, manifest))
     splits = {name: _shuffled(rows, f"{cfg.seed}:{name}") for name, rows in splits.items()}
@@ -283,7 +305,9 @@ def run(cfg: "RunConfig") -> dict:
         "throughput": {"seconds": round(seconds, 3), "samples_per_s": round(n_samples / seconds, 1),
                        "tokens_per_s": round(n_tokens / seconds, 1)},
     }
-    write(out_dir, splits, manifest)
+    with StopRequests("prepare", "dataset write"):  # never cut short: a request here ends a finished run
+        journal = Path(regen["journal"]) if regen else None  # none when nothing was regenerated
+        write(out_dir, splits, manifest, keep=[journal] if journal is not None and journal.is_file() else [])
     print(format_summary(manifest, out_dir))
     return manifest
 

@@ -6,53 +6,79 @@ engine produces when it decodes alone. Turns are regenerated in rounds: round k 
 assistant turn of every conversation, so a later turn's prompt already holds the target's earlier replies
 (as it would when the target serves the conversation). Prompts (system and user turns) are kept. Within a
 round the prompts are sorted by length and decoded `regen_batch_size` at a time (left-padded; a finished
-row leaves the batch); greedy at temperature 0, otherwise sampled with the run's seed.
+row leaves the batch); greedy at temperature 0, otherwise sampled, each batch with its own seed (below).
 
 With `data.regenerate_server` (an OpenAI-compatible endpoint: vLLM, SGLang, serving the run's target) the
 replies come from that server instead, `data.regen_concurrency` requests in flight, the prompt sent as token
 ids (the chat template applied here, as for our engine) to `POST /completions`; each request is retried
 `data.regen_retries` times with exponential backoff and times out after `data.regen_timeout` seconds. An
-unreachable server, or a request that still fails, stops prepare before anything is written, naming the server
-and the conversation. Which weights the server holds is not checked beyond its model name (in the manifest).
+unreachable server stops prepare before anything is written, a request that still fails stops it with the
+replies finished before kept; both messages name the server and the conversation. Which weights the server
+holds is not checked beyond its model name (in the manifest and the journal).
+
+**The journal.** Replies are committed to `run_dir/data/regenerate.jsonl` as they finish: a batch of our
+engine, or the server's requests that finished together, one JSON line each (written in one append, then
+flushed to disk), after a header line with the identity of the run: the conversations to regenerate (their
+count and sha256, and the source files they came from), the target, the engine, the sampling settings and the
+seed. A killed prepare (SIGKILL, a crash, a full disk) or a stopped one (SIGTERM / SIGUSR1: the batch or the
+requests in flight are finished and committed, then exit 75) goes on from the journal: committed replies are
+not generated again, a last line cut short by the kill is dropped. What a reply is does not depend on where the
+run started: our engine's batches are the same (sorted by length over the whole round, the finished ones
+skipped) and each batch draws from its own seed (the run's seed, the round and the batch); a server request
+carries the run's seed plus the conversation's index. So a resumed run writes the same dataset, byte for byte,
+as an uninterrupted one. A journal made for other conversations, another target, engine or sampling settings
+is refused, naming both sides (`data.overwrite=true` discards it). It stays in the finished dataset's
+directory: preparing again with other settings that leave the replies as they are (`max_length`, weights,
+`val_fraction`, with `data.overwrite=true`) reuses it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
 from mtp_train.data.sources import Record
+from mtp_train.files import space_for, write_atomic
+from mtp_train.preempt import Preempted, StopRequests
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
 
 
-def decode_batches(runner, prompts: list[list[int]], *, batch_size: int, max_new_tokens: int,
-                   temperature: float, stop: set[int], generator: torch.Generator | None = None,
-                   progress=None) -> list[list[int]]:
-    """The target's reply to every prompt (stop token removed), decoded `batch_size` prompts at a time in
-    order of length (similar lengths pad little), returned in the prompts' order."""
+def batch_order(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
+    """The prompts' indices in batches of `batch_size`, longest first (similar lengths pad little): the same
+    batches whatever was finished before, so a resumed run decodes what an uninterrupted one does."""
+    order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+    return [order[a:a + batch_size] for a in range(0, len(order), batch_size)]
+
+
+def batch_seed(seed: int, round_: int, batch: int) -> int:
+    """The seed of one batch's sampling: the run's seed, the round and the batch's place in it."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{round_}:{batch}".encode()).digest()[:8], "little") >> 1
+
+
+def decode_batches(runner, prompts: list[list[int]], batches: list[list[int]], *, max_new_tokens: int,
+                   temperature: float, stop: set[int], seeds: list[int]):
+    """Yield (batch, the target's replies to its prompts: stop token removed) for each of `batches` (indices
+    into `prompts`), batch j sampled with its own generator seeded `seeds[j]`."""
     from mtp_train.inference import SamplingConfig, generate
 
-    order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
     sampling = SamplingConfig(temperature=temperature)
-    replies: list[list[int]] = [[] for _ in prompts]
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
+    for chunk, seed in zip(batches, seeds):
+        generator = torch.Generator(runner.device).manual_seed(seed)
         out = generate(runner, [prompts[i] for i in chunk], sampling=sampling, max_new_tokens=max_new_tokens,
                        stop_tokens=stop, generator=generator)
-        for i, tokens in zip(chunk, out.tokens):
-            replies[i] = tokens[:-1] if tokens and tokens[-1] in stop else tokens
-        if progress is not None:
-            progress(len(chunk))
-    return replies
+        yield chunk, [tokens[:-1] if tokens and tokens[-1] in stop else tokens for tokens in out.tokens]
 
 
 class ServerError(ValueError):
@@ -105,40 +131,179 @@ class Server:
             if attempt < self.retries:
                 time.sleep(self.backoff * 2 ** attempt)
         raise ServerError(f"data.regenerate_server={self.url}: the reply for {where} failed after "
-                          f"{self.retries + 1} attempts ({last}). Nothing was written")
+                          f"{self.retries + 1} attempts ({last})")
 
 
-def regenerate(cfg: "RunConfig", tokenizer, samples: list[tuple[Record, str]]) -> tuple[list[tuple[Record, str]], dict]:
+
+
+JOURNAL = "regenerate.jsonl"  # in run_dir/data
+JOURNAL_FORMAT = 1
+
+
+class Journal:
+    """`run_dir/data/regenerate.jsonl`: the header line {"journal": 1, "identity": {...}}, then one line per
+    commit {"round": k, "replies": [[conversation, turn, text, tokens], ...]}. Created at the first commit (a
+    run that fails before it leaves nothing); each commit is one append of whole lines, flushed to disk, so
+    a kill leaves at most a last line cut short, which reading drops."""
+
+    def __init__(self, path: Path, identity: dict, overwrite: bool, say=print):
+        self.path, self.identity, self.say = path, identity, say
+        self.replies: dict[tuple[int, int, int], tuple[str, int]] = {}  # (round, conversation, turn) -> reply
+        self._fd: int | None = None
+        if path.is_file():
+            self._read(overwrite)
+
+    def _read(self, overwrite: bool) -> None:
+        raw = self.path.read_bytes()
+        lines = raw.split(b"\n")
+        try:
+            header = json.loads(lines[0])
+            theirs = header["identity"]
+        except (ValueError, KeyError, TypeError):
+            theirs = None
+        differ = identity_differences(theirs, self.identity) if theirs is not None else ["its header is unreadable"]
+        if differ:
+            if overwrite:
+                self.say(f"prepare: data.overwrite=true: discarding {self.path}, made for other inputs or settings "
+                         f"({'; '.join(differ)})")
+                self.path.unlink()
+                return
+            raise ValueError(f"{self.path} holds replies regenerated for other inputs or settings: "
+                             f"{'; '.join(differ)}. Nothing was changed: prepare with the settings it was made with "
+                             "to go on from it, or pass data.overwrite=true to discard it and regenerate from the start")
+        good = len(lines[0]) + 1
+        for n, line in enumerate(lines[1:], start=2):
+            if good + len(line) >= len(raw):  # the last piece: no newline after it, a commit cut short
+                if line:
+                    self.say(f"prepare: {self.path}:{n}: dropping a last line cut short (the run was killed while "
+                             "committing it); its replies are generated again")
+                    os.truncate(self.path, good)
+                break
+            try:
+                record = json.loads(line)
+                for i, t, text, tokens in record["replies"]:
+                    self.replies[(int(record["round"]), int(i), int(t))] = (str(text), int(tokens))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{self.path}:{n} is damaged ({e}): restore the file, or remove it (its replies "
+                                 "are then generated again)") from None
+            good += len(line) + 1
+
+    def done(self, round_: int) -> dict[tuple[int, int], tuple[str, int]]:
+        return {(i, t): r for (k, i, t), r in self.replies.items() if k == round_}
+
+    def commit(self, round_: int, replies: list[tuple[int, int, str, int]]) -> None:
+        line = (json.dumps({"round": round_, "replies": [list(r) for r in replies]}) + "\n").encode()
+        kept = f"the {len(self.replies)} replies committed before are kept in {self.path}"
+        with space_for(self.path, len(line), "the regeneration journal", kept):
+            if self._fd is None:
+                if not self.path.is_file():
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    write_atomic(self.path, json.dumps({"journal": JOURNAL_FORMAT, "identity": self.identity}) + "\n")
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            size = os.fstat(self._fd).st_size
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(self._fd, view):]
+                os.fsync(self._fd)
+            except BaseException:
+                os.ftruncate(self._fd, size)  # never a part of a line left behind
+                raise
+        for i, t, text, tokens in replies:
+            self.replies[(round_, i, t)] = (text, tokens)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def identity_differences(theirs: dict, mine: dict) -> list[str]:
+    """What differs between a journal's identity and this run's, each named with both sides."""
+    def describe(key: str, ident: dict) -> str:
+        v = ident.get(key)
+        if key == "conversations" and isinstance(v, dict):
+            sources = ", ".join(s.get("path") or s.get("corpus") or "?" for s in ident.get("sources", []))
+            return f"{v.get('count')} conversations (sha256 {str(v.get('sha256'))[:12]}) from {sources or '?'}"
+        if key == "target" and isinstance(v, dict):
+            return f"{v.get('path')} (fingerprint {str(v.get('fingerprint'))[:12]}, {v.get('dtype')})"
+        return json.dumps(v, sort_keys=True)
+
+    def same(key: str) -> bool:
+        a, b = theirs.get(key), mine.get(key)
+        if key == "conversations":
+            return isinstance(a, dict) and a.get("sha256") == b["sha256"]
+        if key == "target":  # the same weights, wherever they lie
+            return isinstance(a, dict) and (a.get("fingerprint"), a.get("dtype")) == (b["fingerprint"], b["dtype"])
+        return a == b
+
+    return [f"{key}: {describe(key, theirs)} there, {describe(key, mine)} here"
+            for key in ("conversations", "target", "engine", "sampling", "seed") if not same(key)]
+
+
+def regenerate(cfg: "RunConfig", tokenizer, samples: list[tuple[Record, str]],
+               sources: list | None = None) -> tuple[list[tuple[Record, str]], dict]:
+    """Every chat sample with its assistant turns regenerated (text records as they are) and the report;
+    resumes from, and commits to, the journal in run_dir/data (`sources`: the source files' digests, named
+    in it)."""
+    from mtp_train.model.target import target_fingerprint
+
     data = cfg.data
     convs = {i: [dict(m) for m in r.messages] for i, (r, _) in enumerate(samples) if r.kind == "chat"}
     turns = {i: [t for t, m in enumerate(msgs) if m["role"] == "assistant"] for i, msgs in convs.items()}
-    if data.regenerate_server:
-        server = Server(data.regenerate_server, data.regen_model, data.regen_timeout, data.regen_retries)
-        engine = f"server {server.url} (model {server.model})"
-
-        def reply_all(todo, prompts, bar):
-            def one(args):
-                (i, t), prompt = args
-                text, n = server.complete(prompt, data.regen_max_new_tokens, data.regen_temperature, cfg.seed + i,
-                                          f"{samples[i][0].where}, assistant turn {t}")
-                bar.update(1)
-                return text, (n if n >= 0 else len(tokenizer.encode(text, add_special_tokens=False)))
-
-            pool = ThreadPoolExecutor(data.regen_concurrency)
-            try:
-                return list(pool.map(one, zip(todo, prompts)))
-            except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)  # one failed for good: stop sending the rest
-                raise
-            finally:
-                pool.shutdown()
+    digest = hashlib.sha256(json.dumps(sorted(convs.items()), sort_keys=True).encode()).hexdigest()
+    sampling = {"temperature": data.regen_temperature, "max_new_tokens": data.regen_max_new_tokens}
+    path = Path(cfg.run_dir) / "data" / JOURNAL
+    server = None
+    if data.regenerate_server:  # the model: data.regen_model, else the journal's, else the server's first
+        model = data.regen_model or _recorded(path).get("engine", {}).get("server_model", "")
+        server = Server(data.regenerate_server, model, data.regen_timeout, data.regen_retries)
+        engine, how = {"server_model": server.model}, f"server {server.url} (model {server.model})"
     else:
-        engine, reply_all = "mtp_train.inference", _local(cfg, tokenizer)
-    return _rounds(cfg, tokenizer, samples, convs, turns, reply_all, engine)
+        engine, how = "mtp_train.inference", "mtp_train.inference"
+        sampling["batch_size"] = data.regen_batch_size  # rows batched together pad each other: it decides the floats
+    identity = {"conversations": {"count": len(convs), "sha256": digest}, "sources": _named(sources or []),
+                "target": {"path": str(Path(cfg.target.path).resolve()),
+                           "fingerprint": target_fingerprint(cfg.target.path), "dtype": cfg.target.dtype},
+                "engine": engine, "sampling": sampling, "seed": cfg.seed}
+    journal = Journal(path, identity, data.overwrite)
+    try:
+        total = sum(map(len, turns.values()))
+        if journal.replies:
+            print(f"prepare: {len(journal.replies)} of {total} regenerated replies are in {journal.path}; going on "
+                  "from there")
+        if server is not None:
+            reply_round = _server_rounds(cfg, tokenizer, samples, server)
+        elif len(journal.replies) < total:
+            reply_round = _local(cfg, tokenizer)
+        else:
+            reply_round = None  # every reply is in the journal: no target to load
+        return _rounds(cfg, tokenizer, convs, turns, samples, journal, reply_round, how)
+    finally:
+        journal.close()
+
+
+def _recorded(path: Path) -> dict:
+    """The identity in a journal's header; {} when there is no readable one."""
+    try:
+        with open(path, "rb") as f:
+            ident = json.loads(f.readline())["identity"]
+        return ident if isinstance(ident, dict) and isinstance(ident.get("engine"), dict) else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _named(sources: list) -> list[dict]:
+    """The source files as the journal names them: path (or corpus) and sha256."""
+    out = []
+    for src in sources:
+        for f in (src if isinstance(src, list) else [src]):
+            out.append({k: f[k] for k in ("path", "corpus", "sha256") if k in f})
+    return out
 
 
 def _local(cfg: "RunConfig", tokenizer):
-    """Our engine: (todo, prompts, bar) -> [(text, tokens)], decoded in batches."""
+    """Our engine: reply_round(k, todo, prompts, done, journal, requests, bar), decoded in batches."""
     from mtp_train.inference import load_runner
     from mtp_train.inference.load import stop_tokens
 
@@ -148,41 +313,108 @@ def _local(cfg: "RunConfig", tokenizer):
     if not stop:
         raise ValueError(f"the target at {cfg.target.path} names no end-of-sequence token (tokenizer eos_token, "
                          "generation_config.json eos_token_id): regenerated replies would never end")
-    generator = torch.Generator(runner.device).manual_seed(cfg.seed)
 
-    def reply_all(todo, prompts, bar):
-        replies = decode_batches(runner, prompts, batch_size=data.regen_batch_size,
-                                 max_new_tokens=data.regen_max_new_tokens, temperature=data.regen_temperature,
-                                 stop=stop, generator=generator, progress=bar.update)
-        return [(tokenizer.decode(r, skip_special_tokens=True), len(r)) for r in replies]
+    def reply_round(k, todo, prompts, done, journal, requests, bar):
+        batches = batch_order(prompts, data.regen_batch_size)
+        left = [j for j, b in enumerate(batches) if not all(todo[i] in done for i in b)]
+        for b, replies in decode_batches(runner, prompts, [batches[j] for j in left],
+                                         max_new_tokens=data.regen_max_new_tokens, temperature=data.regen_temperature,
+                                         stop=stop, seeds=[batch_seed(cfg.seed, k, j) for j in left]):
+            journal.commit(k, [(*todo[i], tokenizer.decode(r, skip_special_tokens=True), len(r))
+                               for i, r in zip(b, replies)])
+            bar(len(b), sum(map(len, replies)))
+            if requests.requested:
+                raise Preempted(_stopped(requests, journal, "the batch in flight"))
 
-    return reply_all
+    return reply_round
 
 
-def _rounds(cfg, tokenizer, samples, convs, turns, reply_all, engine: str):
-    """Round k rewrites the k-th assistant turn of every conversation, the replies from `reply_all`."""
+def _server_rounds(cfg: "RunConfig", tokenizer, samples, server: Server):
+    """The server: reply_round(...) with data.regen_concurrency requests in flight, those that finished together
+    committed together."""
     data = cfg.data
-    t0, n_turns, n_tokens = time.perf_counter(), 0, 0
+
+    def one(i, t, prompt):
+        text, n = server.complete(prompt, data.regen_max_new_tokens, data.regen_temperature, cfg.seed + i,
+                                  f"{samples[i][0].where}, assistant turn {t}")
+        return i, t, text, (n if n >= 0 else len(tokenizer.encode(text, add_special_tokens=False)))
+
+    def reply_round(k, todo, prompts, done, journal, requests, bar):
+        pool = ThreadPoolExecutor(data.regen_concurrency)
+        pending = {pool.submit(one, i, t, p) for (i, t), p in zip(todo, prompts) if (i, t) not in done}
+        try:
+            while pending:
+                # woken at least every 0.2 s: a stop request drops the requests not sent yet at once
+                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                if requests.requested or any(f.exception() is not None for f in finished):
+                    # stopping: the requests not sent yet are dropped, those in flight finished and kept
+                    finished |= wait({f for f in pending if not f.cancel()})[0]
+                    pending = set()
+                replies = sorted(f.result() for f in finished if f.exception() is None)  # in a fixed order
+                if replies:
+                    journal.commit(k, replies)
+                    bar(len(replies), sum(r[3] for r in replies))
+                failed = next((f.exception() for f in finished if f.exception() is not None), None)
+                if isinstance(failed, ServerError):
+                    kept = (f"The {len(journal.replies)} replies finished before are kept in {journal.path}: the "
+                            "same command goes on from there" if journal.replies else "Nothing was written")
+                    raise ServerError(f"{failed}. {kept}") from None
+                if failed is not None:
+                    raise failed
+                if requests.requested:
+                    raise Preempted(_stopped(requests, journal, "the requests in flight"))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    return reply_round
+
+
+def _stopped(requests: StopRequests, journal: Journal, what: str) -> str:
+    return (f"prepare: stopped on request ({requests.requested}) after {what}; {len(journal.replies)} regenerated "
+            f"replies are committed to {journal.path}: the same command goes on from there")
+
+
+def _rounds(cfg, tokenizer, convs, turns, samples, journal: Journal, reply_round, how: str):
+    """Round k rewrites the k-th assistant turn of every conversation: the journal's replies taken, the others
+    from `reply_round`, committed as they come; a stop request is honoured after each commit."""
+    data = cfg.data
+    t0, n_new, new_tokens = time.perf_counter(), 0, 0
     rounds = max((len(t) for t in turns.values()), default=0)
-    with tqdm(total=sum(map(len, turns.values())), desc="regenerate", unit=" turns", leave=False) as bar:
+    total = sum(map(len, turns.values()))
+    with tqdm(total=total, initial=len(journal.replies), desc="regenerate", unit=" turns", dynamic_ncols=True,
+              leave=False) as progress, StopRequests("prepare", "batch of replies") as requests:
+        def bar(turns_done: int, tokens: int) -> None:
+            nonlocal n_new, new_tokens
+            n_new, new_tokens = n_new + turns_done, new_tokens + tokens
+            progress.update(turns_done)
+            progress.set_postfix(tok_s=f"{new_tokens / max(1e-9, time.perf_counter() - t0):,.1f}")
+
         for k in range(rounds):
             todo = [(i, ts[k]) for i, ts in turns.items() if len(ts) > k]
-            prompts = [list(tokenizer.apply_chat_template(convs[i][:t], add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False)) for i, t in todo]
-            for (i, t), (text, n) in zip(todo, reply_all(todo, prompts, bar)):
-                convs[i][t]["content"] = text
-                n_tokens += n
-            n_turns += len(todo)
+            done = journal.done(k)
+            unknown = set(done) - set(todo)
+            if unknown:
+                raise ValueError(f"{journal.path} holds replies for turns this run does not regenerate (round {k}: "
+                                 f"conversation, turn {sorted(unknown)[:3]}): it is damaged; remove it")
+            if len(done) < len(todo):
+                prompts = [list(tokenizer.apply_chat_template(convs[i][:t], add_generation_prompt=True,
+                                                              tokenize=True, return_dict=False)) for i, t in todo]
+                reply_round(k, todo, prompts, done, journal, requests, bar)
+                done = journal.done(k)
+            for i, t in todo:
+                convs[i][t]["content"] = done[(i, t)][0]
     seconds = time.perf_counter() - t0
     out = [(Record(r.kind, r.where, messages=convs[i]) if i in convs else r, split)
            for i, (r, split) in enumerate(samples)]
-    report = {"conversations": len(convs), "turns": n_turns, "generated_tokens": n_tokens,
-              "seconds": round(seconds, 3), "samples_per_s": round(len(convs) / seconds, 2) if seconds else None,
-              "tokens_per_s": round(n_tokens / seconds, 1) if seconds else None,
+    n_tokens = sum(n for _, n in journal.replies.values())
+    report = {"conversations": len(convs), "turns": total, "generated_tokens": n_tokens,
+              "turns_from_journal": total - n_new, "seconds": round(seconds, 3),
+              "samples_per_s": round(len(convs) / seconds, 2) if seconds else None,
+              "tokens_per_s": round(new_tokens / seconds, 1) if seconds and n_new else None,
               "temperature": data.regen_temperature, "max_new_tokens": data.regen_max_new_tokens,
-              "engine": engine}
-    how = (f"our inference engine, batches of {data.regen_batch_size}" if engine == "mtp_train.inference"
-           else f"{engine}, {data.regen_concurrency} requests in flight")
-    print(f"regenerate: {len(convs)} conversations, {n_turns} turns, {n_tokens} tokens in {seconds:.1f}s "
-          f"({report['tokens_per_s']} tokens/s, {how})")
+              "engine": how, "journal": str(journal.path)}
+    engine = (f"our inference engine, batches of {data.regen_batch_size}" if how == "mtp_train.inference"
+              else f"{how}, {data.regen_concurrency} requests in flight")
+    print(f"regenerate: {len(convs)} conversations, {total} turns ({total - n_new} from the journal), "
+          f"{new_tokens} tokens generated in {seconds:.1f}s ({report['tokens_per_s']} tokens/s, {engine})")
     return out, report

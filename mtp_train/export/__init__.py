@@ -167,7 +167,7 @@ def run(cfg: "RunConfig") -> list[Path]:
     from mtp_train.export.write import (CARD, EXPORT_JSON, check_replaceable, check_round_trip, is_up_to_date,
                                         listing, read_back, staged)
     from mtp_train.files import space_for, write_atomic, write_json
-    from mtp_train.train.checkpoint import read_head
+    from mtp_train.model.checkpoint import read_head
     from mtp_train.model.head import DRAFT_VOCAB_BUFFERS
     from mtp_train.model.target import check_model_dir, target_fingerprint
     from mtp_train.files import sha256_file

@@ -38,7 +38,7 @@ def exported_head(cfg, export_dir: Path, target):
     import torch
 
     from mtp_train.inference import HeadDrafter
-    from mtp_train.train.checkpoint import read_head
+    from mtp_train.model.checkpoint import read_head
 
     made = json.loads((export_dir / EXPORT_JSON).read_text())
     head, _ = read_head(cfg, Path(made["checkpoint"]))

@@ -10,7 +10,7 @@ import torch
 
 from mtp_train.inference.drafters import Drafter, HeadDrafter, LMDrafter
 from mtp_train.inference.runner import CausalLMRunner, load_runner
-from mtp_train.train.checkpoint import read_head, trained_head
+from mtp_train.model.checkpoint import read_head, trained_head
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig

@@ -482,7 +482,14 @@ def stored_layers(layers, arch, head) -> tuple[int, ...]:
 
 
 def run(cfg: "RunConfig") -> dict[str, dict]:
-    """The precompute stage; returns {split: manifest}. Under torchrun every rank calls it."""
+    """The precompute stage; returns {split: manifest}. Under torchrun every rank calls it. A stop request outside
+    `run_shards` (the target loading, the directories being checked) stops it at once (shards on disk are whole)."""
+    with StopRequests("precompute", "outside a shard (start-up: planning, loading the target)", at_once=True,
+                      then="the same command goes on (finished shards are kept and verified)"):
+        return _run(cfg)
+
+
+def _run(cfg: "RunConfig") -> dict[str, dict]:
     ranks = Ranks.from_env()
     device_map, max_memory = placement(cfg.target, cfg.store, ranks)
     started_dist = ranks.world > 1 and not torch.distributed.is_initialized()

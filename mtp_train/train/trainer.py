@@ -612,6 +612,9 @@ def _describe(layout: dict) -> str:
 
 
 def run(cfg) -> dict:
-    """`mtp-train train`: one process, or every rank under torchrun (the process group is started here)."""
-    with dist.process_group(cfg.target.device, cfg.train.strategy) as ranks:
-        return Trainer(cfg, rank=ranks.rank, world=ranks.world, local_rank=ranks.local_rank).fit()
+    """`mtp-train train`: one process, or every rank under torchrun (the process group is started here). A stop
+    request before step 1 (the target loading, DeepSpeed initialising, the step-0 evaluation) stops it at once."""
+    with StopRequests("train", "outside an optimizer step (start-up: loading, initialising, the step-0 evaluation)",
+                      at_once=True, then="the same command with resume=true goes on"):
+        with dist.process_group(cfg.target.device, cfg.train.strategy) as ranks:
+            return Trainer(cfg, rank=ranks.rank, world=ranks.world, local_rank=ranks.local_rank).fit()
