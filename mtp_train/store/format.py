@@ -398,15 +398,19 @@ class ShardFile:
         self.specs = specs
         self.size = max(self.starts[k] + int(torch.Size(sh).numel()) * dt.itemsize for k, (dt, sh) in specs.items())
         self.reopened = reopen and self.tmp.is_file() and self.tmp.stat().st_size == self.size
-        if not self.reopened:
-            with space_for(self.tmp, self.size, "shard", "every finished shard is kept (its record names it)",
-                           partial=[self.tmp]):
-                with open(self.tmp, "wb") as f:
+        if not self.reopened:  # laid out under a third name, so a `.tmp` of the right length is always laid out
+            new = path.with_name(path.name + ".tmp.new")
+            with space_for(new, self.size, "shard", "every finished shard is kept (its record names it)",
+                           partial=[new]):
+                with open(new, "wb") as f:
                     os.posix_fallocate(f.fileno(), 0, self.size)
                     f.write(head)
                     for k, t in fixed.items():
                         f.seek(self.starts[k])
                         f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(new, self.tmp)
         self._map = np.memmap(self.tmp, dtype=np.uint8, mode="r+")
 
     def _rows_view(self, name: str):
@@ -515,7 +519,7 @@ def read_manifest(split_dir: str | Path) -> dict:
 def clear_split(split_dir: Path) -> None:
     """Remove what a store wrote into `split_dir` (manifest, shards, temporary files, the unfinished-run
     records), and nothing else."""
-    for p in [split_dir / MANIFEST, *split_dir.glob("shard-*.safetensors"), *split_dir.glob("*.tmp")]:
+    for p in [split_dir / MANIFEST, *split_dir.glob("shard-*.safetensors"), *split_dir.glob("*.tmp"), *split_dir.glob("*.tmp.new")]:
         p.unlink(missing_ok=True)
     if (split_dir / PARTIAL).is_dir():
         shutil.rmtree(split_dir / PARTIAL)

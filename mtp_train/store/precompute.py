@@ -436,7 +436,7 @@ def remove_leftovers(split_dir: Path) -> None:
     """The unfinished-run records and temporary files of a split whose manifest is written."""
     if (split_dir / PARTIAL).is_dir():
         shutil.rmtree(split_dir / PARTIAL)
-    for p in split_dir.glob("*.tmp"):
+    for p in [*split_dir.glob("*.tmp"), *split_dir.glob("*.tmp.new")]:
         p.unlink()
 
 
