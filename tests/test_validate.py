@@ -94,6 +94,11 @@ def test_report_predicts_the_speedups(report, validated_run):
         [(e["k"], e.get("tree"), e["temperature"], e["tau"], e["speedup"]) for e in heads]
     for c in pred["checks"]:
         assert c["predicted"] > 0 and c["error"] == pytest.approx(c["predicted"] / c["measured"] - 1)
+    # the engine's per-step overhead, timed before decoding, is in every prediction, the outlier check's included
+    o = pred["overhead"]
+    assert o["steps_timed"] == 3 * 3 * 12 and len(o["measured_ms"]) == 3 and min(o["measured_ms"]) > 0
+    assert o["per_draft_ms"] >= 0
+    assert [c["predicted"] for c in pred["checks"]] == pytest.approx([e["predicted_speedup"] for e in heads])
     serving = pred["serving"]
     assert serving["profile"]["name"] == "H100-SXM" and [r["batch"] for r in serving["table"]] == [1, 4, 16, 64]
     for r in serving["table"]:

@@ -326,6 +326,8 @@ class StepOverhead:
     step_ms: float  # a speculative step with one draft (k = 1)
     per_draft_ms: float  # each further draft (a chain's k - 1 single steps, a tree's steps - 1 depths)
     steps_timed: int = 0
+    measured_ms: tuple[float, ...] = ()  # the median step itself at k = 0, 1, 2 (what a k = 1 step costs in
+    # target steps: measured_ms[1] / measured_ms[0])
 
     def spec_ms(self, k: int) -> float:
         return self.step_ms + self.per_draft_ms * (k - 1)
@@ -358,7 +360,8 @@ def overhead_from_timings(timings: dict[int, list[tuple[float, int]]], target: M
     if 0 not in med or 1 not in med:
         raise ValueError("overhead_from_timings needs timed steps at k = 0 and k = 1")
     return StepOverhead(med[0], med[1], max(0.0, med[2] - med[1]) if 2 in med else 0.0,
-                        sum(len(r) for r in timings.values()))
+                        sum(len(r) for r in timings.values()),
+                        tuple(_median([ms for ms, _ in timings[k]]) for k in sorted(timings) if timings[k]))
 
 
 @torch.inference_mode()
@@ -434,7 +437,9 @@ def format_prediction(pred: dict) -> str:
         if o:
             lines.append(f"  with the engine's per-step cost beyond the forwards, measured here ({o['steps_timed']} "
                          f"steps): target alone {o['plain_ms']:+.1f} ms, k=1 {o['step_ms']:+.1f} ms, "
-                         f"{o['per_draft_ms']:+.1f} ms per further draft")
+                         f"{o['per_draft_ms']:+.1f} ms per further draft"
+                         + (f"; a step takes {' / '.join(f'{m:.1f}' for m in o['measured_ms'])} ms at k = "
+                            f"{' / '.join(str(k) for k in range(len(o['measured_ms'])))}" if o.get("measured_ms") else ""))
         for c in pred["checks"]:
             what = tree_label(c["tree"]) if c.get("tree") else f"k={c['k']}"
             lines.append(f"    T={c['temperature']:g} {what}: measured {c['measured']:.2f}x, predicted "
