@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from mtp_train.inference.cache import SlotCache, right_align
-from mtp_train.inference.runner import CausalLMRunner, decode_attention, left_pad, stream_projections
+from mtp_train.inference.runner import CausalLMRunner, decode_attention, left_pad
 from mtp_train.inference.sampling import SamplingConfig, probabilities, sample
 from mtp_train.inference.tree import DraftTree, TreeConfig, grow
 
@@ -109,8 +109,6 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: nn.Module, embed: nn.Module, lm_head: nn.Module):
         self.head, self.embed, self.lm_head = head.eval(), embed, lm_head
-        if self.device.type == "cpu":  # a catch-up over 2-4 accepted tokens then streams each weight once, as
-            stream_projections(head)  # the target's verification does, instead of BLAS packing it first
         self.feature_layers = list(head.aux_layers) or None  # eagle3 reads the residual entering its layers
         self.cache: SlotCache | None = None
         self.committed: torch.Tensor | None = None  # [B] pairs made from target features
