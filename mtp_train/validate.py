@@ -14,7 +14,13 @@
 Speeds are measured in rounds: the target alone is timed before the first drafter and again after each
 (drafter, temperature) block, and each row's speed-up divides by the mean of the target-only rounds on either
 side of its block, so a load change on the machine shows as a spread, not as a speed-up. A speed-up above τ
-cannot be real (a draft step costs something) and is flagged.
+cannot be real (a draft step costs something) and is flagged. A row outside 0.5..1.5x of its prediction (the
+speed model plus this engine's per-step overhead, timed before decoding), above τ, or between rounds that
+spread more than 15% is timed again (`validate.retimes`), and flagged `suspect` when it stays so.
+
+The prompts come in sets (`validate.prompts`): the recipe's own val split, MT-bench's questions, or any JSONL
+of conversations (`mtp_train/data/prompt_sets.py`); each set gets its own rounds, table, per-category figures
+and prediction.
 
 Writes `run_dir/validation/report.json`, two plots beside it, and prints a table.
 """
