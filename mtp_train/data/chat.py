@@ -35,9 +35,10 @@ def _content(value, where: str, field: str) -> str:
     raise BadRecord("missing_field", where, f"field {field!r} must be a string (or a list of text parts)")
 
 
-def normalize(record, fmt: str, where: str) -> list[dict[str, str]]:
+def normalize(record, fmt: str, where: str, need_assistant: bool = True) -> list[dict[str, str]]:
     """A ShareGPT (`conversations: [{from, value}]`) or OpenAI (`messages: [{role, content}]`) record as a
-    list of `{role, content}` with roles system/user/assistant."""
+    list of `{role, content}` with roles system/user/assistant (with an assistant turn unless
+    `need_assistant=False`: a prompt)."""
     key, role_key, text_key = ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
     if not isinstance(record, dict):
         raise BadRecord("missing_field", where, f"expected a JSON object with field {key!r}")
@@ -59,7 +60,7 @@ def normalize(record, fmt: str, where: str) -> list[dict[str, str]]:
             allowed = ", ".join(SHAREGPT_ROLES if fmt == "sharegpt" else ROLES)
             raise BadRecord("unknown_role", where, f"{field}.{role_key} is {raw_role!r}; expected one of {allowed}")
         messages.append({"role": role, "content": _content(turn[text_key], where, f"{field}.{text_key}")})
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no_assistant_turn", where, "the conversation has no assistant turn")
     return messages
 

@@ -229,11 +229,16 @@ def tree_ms(target: ModelCost, head: ModelCost, device: DeviceProfile, batch: in
 
 
 def predict_speedup(target: ModelCost, head: ModelCost, device: DeviceProfile, batch: int, k: int, tau: float,
-                    context: int, bytes_per_param: float, tree: tuple[int, int, int] | None = None) -> dict:
-    """The speed-up of a chain of k drafts, or with `tree` of that draft tree, that emits tau tokens per step."""
+                    context: int, bytes_per_param: float, tree: tuple[int, int, int] | None = None,
+                    overhead: "StepOverhead | None" = None) -> dict:
+    """The speed-up of a chain of k drafts, or with `tree` of that draft tree, that emits tau tokens per step;
+    with `overhead`, each step (the target-only one too) also pays what the engine costs beyond its forwards."""
     plain = forward_ms(target, device, batch, 1, context, bytes_per_param)
     step = (tree_ms(target, head, device, batch, tree, tau, context, bytes_per_param) if tree else
             speculative_ms(target, head, device, batch, k, tau, context, bytes_per_param))
+    if overhead is not None:
+        plain += overhead.plain_ms
+        step += overhead.spec_ms(tree[0] if tree else k)
     return {"batch": batch, "k": k, "tree": list(tree) if tree else None, "tau": tau, "target_ms": plain,
             "step_ms": step, "tokens_per_s": batch * 1e3 / plain, "speculative_tokens_per_s": batch * tau * 1e3 / step,
             "speedup": tau * plain / step}
@@ -310,12 +315,97 @@ def measure_cpu(dtype: torch.dtype = torch.float32) -> DeviceProfile:
                          f"measured here: {torch.get_num_threads()} threads, {str(dtype).removeprefix('torch.')}")
 
 
+# -- the engine's cost beyond the forwards, measured on the spot ---------------------------------------------------
+@dataclass(frozen=True)
+class StepOverhead:
+    """What one decoding step costs on this machine beyond the forwards `forward_ms` models: for a
+    speculative step the verification's bookkeeping, the head's cache and sampling, Python between the
+    forwards (and whatever the roofline misses about these small forwards); measured, not modelled."""
+
+    plain_ms: float  # a target-only step
+    step_ms: float  # a speculative step with one draft (k = 1)
+    per_draft_ms: float  # each further draft (a chain's k - 1 single steps, a tree's steps - 1 depths)
+    steps_timed: int = 0
+    measured_ms: tuple[float, ...] = ()  # the median step itself at k = 0, 1, 2 (what a k = 1 step costs in
+    # target steps: measured_ms[1] / measured_ms[0])
+
+    def spec_ms(self, k: int) -> float:
+        return self.step_ms + self.per_draft_ms * (k - 1)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def modelled_step_ms(target: ModelCost, head: ModelCost, device: DeviceProfile, batch: int, k: int, catch_up: int,
+                     context: int, bytes_per_param: float) -> float:
+    """The forwards of one step as `forward_ms` models them: the target over k + 1 tokens (1 for k = 0), and
+    for k >= 1 the head over the `catch_up` tokens accepted last step and k - 1 single tokens."""
+    ms = forward_ms(target, device, batch, k + 1, context, bytes_per_param)
+    if k:
+        ms += (forward_ms(head, device, batch, max(1, catch_up), context, bytes_per_param)
+               + (k - 1) * forward_ms(head, device, batch, 1, context, bytes_per_param))
+    return ms
+
+
+def overhead_from_timings(timings: dict[int, list[tuple[float, int]]], target: ModelCost, head: ModelCost,
+                          device: DeviceProfile, batch: int, context: int, bytes_per_param: float) -> StepOverhead:
+    """`timings`: k (0 = target only, 1, 2) -> [(measured ms of one step, tokens the head caught up over)]. Each
+    step's overhead is its time less its modelled forwards (`modelled_step_ms`), the median per k; a further
+    draft costs the difference between k = 2 and k = 1 (never less than nothing)."""
+    med = {k: _median([ms - modelled_step_ms(target, head, device, batch, k, c, context, bytes_per_param)
+                       for ms, c in rows]) for k, rows in timings.items() if rows}
+    if 0 not in med or 1 not in med:
+        raise ValueError("overhead_from_timings needs timed steps at k = 0 and k = 1")
+    return StepOverhead(med[0], med[1], max(0.0, med[2] - med[1]) if 2 in med else 0.0,
+                        sum(len(r) for r in timings.values()),
+                        tuple(_median([ms for ms, _ in timings[k]]) for k in sorted(timings) if timings[k]))
+
+
+@torch.inference_mode()
+def time_steps(target, drafter, prompts: list[list[int]], k: int, steps: int) -> list[tuple[float, int]]:
+    """(ms, catch-up tokens) of `steps` greedy decoding steps through the real loop (k = 0: the target alone),
+    after the first one (whose catch-up runs over the whole prompt). No stop tokens: every row runs on."""
+    from mtp_train.inference.sampling import SamplingConfig
+    from mtp_train.inference.speculative import SpeculativeDecoder
+
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda *a: None)
+    dec = SpeculativeDecoder(target, prompts, drafter=drafter if k else None, k=max(k, 1), sampling=SamplingConfig(),
+                             max_new_tokens=(steps + 2) * (k + 1) + 1)
+    dec.step()
+    out = []
+    for _ in range(steps):
+        catch_up = int(dec.features.valid.sum(1).max()) if dec.features is not None else 0
+        sync()
+        t0 = time.perf_counter()
+        dec.step()
+        sync()
+        out.append(((time.perf_counter() - t0) * 1e3, catch_up))
+    return out
+
+
+def measure_overhead(target, drafter, prompts: list[list[int]], target_c: ModelCost, head_c: ModelCost,
+                     device: DeviceProfile, bytes_per_param: float, steps: int = 12, repeats: int = 3) -> StepOverhead:
+    """This engine's per-step overhead on `prompts` (one batch): `steps` timed steps at k = 0, 1, 2, `repeats`
+    times in turn (so a load change touches every k alike), after a warm-up."""
+    time_steps(target, drafter, prompts, 2, 2)
+    timings: dict[int, list[tuple[float, int]]] = {0: [], 1: [], 2: []}
+    for _ in range(repeats):
+        for k in timings:
+            timings[k] += time_steps(target, drafter, prompts, k, steps)
+    context = int(sum(map(len, prompts)) / len(prompts)) + steps
+    return overhead_from_timings(timings, target_c, head_c, device, len(prompts), context, bytes_per_param)
+
+
 # -- what validate reports -------------------------------------------------------------------------------------------
 def validation_prediction(target_config, head_cfg, entries: list[dict], mean_context: float, device: DeviceProfile,
-                          bytes_per_param: float, batch: int, serving: str = "H100-SXM") -> dict:
+                          bytes_per_param: float, batch: int, serving: str = "H100-SXM",
+                          overhead: StepOverhead | None = None) -> dict:
     """Beside each measured greedy/sampled chain row: the speed-up the model predicts on `device` (the machine
-    validate ran on); and the predicted serving table on the `serving` profile in bf16 for b in BATCHES, from
-    the greedy τ of the head."""
+    validate ran on) with this engine's measured per-step `overhead`; and the predicted serving table on the
+    `serving` profile in bf16 for b in BATCHES, from the greedy τ of the head (no overhead: another engine)."""
     target, head = target_cost(target_config), head_cost(target_config, head_cfg)
     context = int(mean_context)
     checks = []
@@ -323,13 +413,14 @@ def validation_prediction(target_config, head_cfg, entries: list[dict], mean_con
         if e["drafter"] != "head" or device is None:
             continue
         tree = tuple(e["tree"]) if e.get("tree") else None
-        p = predict_speedup(target, head, device, batch, e["k"], e["tau"], context, bytes_per_param, tree)
+        p = predict_speedup(target, head, device, batch, e["k"], e["tau"], context, bytes_per_param, tree, overhead)
         checks.append({"k": e["k"], "tree": e.get("tree"), "temperature": e["temperature"], "tau": e["tau"],
                        "measured": e["speedup"], "predicted": p["speedup"], "error": p["speedup"] / e["speedup"] - 1})
     greedy = [e for e in entries if e["drafter"] == "head" and e["temperature"] == 0]
     chains = {e["k"]: e["tau"] for e in greedy if not e.get("tree")}
     trees = {tuple(e["tree"]): e["tau"] for e in greedy if e.get("tree")}
-    out = {"device": asdict(device) if device else None, "context": context, "checks": checks}
+    out = {"device": asdict(device) if device else None, "context": context, "checks": checks,
+           "overhead": asdict(overhead) if overhead else None}
     if greedy:
         out["serving"] = {"profile": asdict(PROFILES[serving]), "dtype": "bfloat16",
                           "table": serving_table(target, head, PROFILES[serving], chains, context, 2.0, trees=trees)}
@@ -342,6 +433,13 @@ def format_prediction(pred: dict) -> str:
     if d and pred["checks"]:
         lines.append(f"predicted against measured on this machine ({d['name']}: {d['bandwidth_gb_s']:.0f} GB/s, "
                      f"{d['tflops']:.2f} TFLOP/s, {d['fixed_ms']:.2f} ms + {d['per_layer_ms']:.2f} ms/layer per forward)")
+        o = pred.get("overhead")
+        if o:
+            lines.append(f"  with the engine's per-step cost beyond the forwards, measured here ({o['steps_timed']} "
+                         f"steps): target alone {o['plain_ms']:+.1f} ms, k=1 {o['step_ms']:+.1f} ms, "
+                         f"{o['per_draft_ms']:+.1f} ms per further draft"
+                         + (f"; a step takes {' / '.join(f'{m:.1f}' for m in o['measured_ms'])} ms at k = "
+                            f"{' / '.join(str(k) for k in range(len(o['measured_ms'])))}" if o.get("measured_ms") else ""))
         for c in pred["checks"]:
             what = tree_label(c["tree"]) if c.get("tree") else f"k={c['k']}"
             lines.append(f"    T={c['temperature']:g} {what}: measured {c['measured']:.2f}x, predicted "
