@@ -12,7 +12,7 @@ Adjustments (each recorded in OUT.json with how often it ran):
   (speculators falls back to "cuda");
 - flags the caller passes (checked here): `--draft-attn-impl sdpa` (flex attention has no CPU backward),
   `--loss-implementation eager` (the fused loss needs Triton), `--mask-token-id N` (the tokenizer names none).
-The record also holds the wall time of each optimizer step (tokens/s is the step's real tokens over its time).
+The record also holds each optimizer step's end time and real (unpadded) tokens, for tokens/s.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def check_flags(argv: list[str]) -> None:
         raise SystemExit("run_speculators.py: pass --mask-token-id N (a token id the draft masks with)")
 
 
-def adjust(adj: Adjustments, steps: list[dict]) -> None:
+def adjust(adj: Adjustments, steps: list[dict], tokens: list[int]) -> None:
     import torch
 
     cpu = torch.device("cpu")
@@ -69,6 +69,15 @@ def adjust(adj: Adjustments, steps: list[dict]) -> None:
                 step)
     del tr
 
+    def collate(orig):  # the real (unpadded) tokens of each packed batch, in order (num_workers 0: in process)
+        def __call__(self, batch):
+            out = orig(self, batch)
+            tokens.append(int((out["document_ids"] != -1).sum()))
+            return out
+        return __call__
+
+    adj.replace("speculators.train.data:CollateFn.__call__", "records each batch's real tokens (timing only)", collate)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -83,7 +92,8 @@ def main() -> None:
                                      "--loss-implementation": "the fused loss needs Triton"}[flag])
     adj.note("--mask-token-id", "the verifier's tokenizer names no mask token")
     steps: list[dict] = []
-    adjust(adj, steps)
+    tokens: list[int] = []  # train batches first, then the validation batches
+    adjust(adj, steps, tokens)
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 
@@ -92,7 +102,7 @@ def main() -> None:
         train(TrainConfig.resolve(argv))
     finally:
         ends = [s["t"] - start for s in steps]
-        adj.write(ns.record, {"argv": argv, "step_end_s": ends})
+        adj.write(ns.record, {"argv": argv, "step_end_s": ends, "step_tokens": tokens[:len(ends)]})
 
 
 if __name__ == "__main__":

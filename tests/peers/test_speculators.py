@@ -91,9 +91,10 @@ def test_it_trains_two_steps_with_the_cpu_adjustments(peers):
     replaced = {k: v for k, v in rec["adjustments"].items() if v["calls"] is not None}
     assert set(replaced) == {"speculators.train.trainer:get_local_rank", "torch:accelerator.synchronize",
                              "speculators.train.trainer:Trainer.__init__",
-                             "speculators.train.trainer:Trainer._optimizers_step"}
+                             "speculators.train.trainer:Trainer._optimizers_step",
+                             "speculators.train.data:CollateFn.__call__"}
     assert all(v["calls"] > 0 for v in replaced.values()), replaced
-    assert len(rec["step_end_s"]) == 2
+    assert len(rec["step_end_s"]) == 2 and len(rec["step_tokens"]) == 2 and all(0 < t <= 1024 for t in rec["step_tokens"])
     ckpt = out / "checkpoints" / "checkpoint_best"
     config = json.loads((ckpt / "config.json").read_text())
     assert config["draft_vocab_size"] == peers["draft_vocab"]
