@@ -222,9 +222,15 @@ def main() -> None:
         heads["specforge"] = specforge(args, peers_json, args.work)
     for name, h in heads.items():
         print(f"{name}: {h['speed']}", flush=True)
-    judged = None if args.skip_vllm else judge(args, heads, base_cfg, args.work)
     out = HERE.parent / "results" / "peers-side_by_side.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    save(out, args, matched, peers, heads, None)  # the training figures, before vLLM's
+    if not args.skip_vllm:
+        save(out, args, matched, peers, heads, judge(args, heads, base_cfg, args.work))
+    print(f"wrote {out}")
+
+
+def save(out: Path, args, matched: list[str], peers: dict, heads: dict, judged: dict | None) -> None:
     out.write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "machine": machine(torch.get_num_threads()),
         "command": command("peers/side_by_side.py", args),
@@ -235,7 +241,6 @@ def main() -> None:
         "speculators_total_seq_len": heads.get("speculators", {}).get("total_seq_len"),
         "adjustments": {n: h.get("adjustments") for n, h in heads.items() if h.get("adjustments")},
         "vllm": judged}, indent=1, default=str) + "\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
