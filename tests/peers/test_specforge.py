@@ -5,6 +5,7 @@ benchmarks/peers/run_specforge.py (every CPU adjustment of that launcher applied
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,7 @@ def test_it_trains_two_steps_with_the_cpu_adjustments_and_exports(peers):
 
     _, peers = peers
     work = DIR / "specforge-2-steps"
+    shutil.rmtree(work, ignore_errors=True)  # a fresh run (SpecForge would resume from what it finds there)
     record = work / "record.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_specforge.py"),
                            "--peers", str(DIR / "data" / "peers.json"), "--work", str(work), "--record", str(record),

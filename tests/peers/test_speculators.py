@@ -5,6 +5,7 @@ benchmarks/peers/run_speculators.py, every CPU adjustment of that launcher appli
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -83,7 +84,8 @@ def test_it_trains_two_steps_with_the_cpu_adjustments(peers):
 
     _, peers = peers
     out = DIR / "speculators-2-steps"
-    record = out / "record.json"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: speculators resumes from checkpoints it finds there,
+    record = out / "record.json"            # and its checkpoint loader pins memory, which needs an accelerator
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_speculators.py"), "--record",
                            str(record), "--", *train_args(peers, out, 2)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
