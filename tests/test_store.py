@@ -334,8 +334,32 @@ def test_layer_out_of_range_and_missing_data(tmp_path, tiny_dir, capsys):
     assert main(["precompute", f"run_dir={tmp_path}"]) == 1
     assert f"data manifest not found: {tmp_path / 'data' / 'manifest.json'}" in capsys.readouterr().err
     _make_data(tmp_path, tiny_dir / "target", n_train=2, n_val=1)
-    with pytest.raises(ValueError, match=r"store.layers \[4\] out of range: the target has 4 decoder layers \(0..3\)"):
-        pc.run(_cfg(tmp_path, "store.layers=[1,4]"))
+    with pytest.raises(ValueError, match=r"store.layers \[5\] out of range: the target has 4 decoder layers \(0..3, "
+                                         r"and 4 for the final norm's input\)"):
+        pc.run(_cfg(tmp_path, "store.layers=[1,5]"))
+
+
+def test_layer_L_is_the_last_layers_output_before_the_final_norm(tmp_path, tiny_dir):
+    """store.layers=[4] on the 4-layer target keeps what speculators trains on: the last decoder layer's output,
+    caught independently here by a forward hook on that layer; the final norm of it is the stored `hidden`."""
+    import datasets
+
+    _make_data(tmp_path, tiny_dir / "target", n_train=3, n_val=1)
+    pc.run(_cfg(tmp_path, "store.layers=[4]"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "target", dtype=torch.float32).eval()
+    caught = []
+    model.model.layers[3].register_forward_hook(lambda m, args, out: caught.append(out[0] if isinstance(out, tuple)
+                                                                                   else out))
+    reader = StoreReader(tmp_path / "store" / "train")
+    assert reader.layers == [4]
+    for i, row in enumerate(datasets.load_from_disk(str(tmp_path / "data" / "train"))):
+        with torch.no_grad():
+            model(torch.tensor([row["input_ids"]]))
+        got = reader[i]
+        torch.testing.assert_close(got["layers"][0], caught[-1][0], atol=2e-5, rtol=1e-5)
+        with torch.no_grad():
+            torch.testing.assert_close(model.model.norm(got["layers"][0]), got["hidden"], atol=2e-5, rtol=1e-5)
+        assert (got["layers"][0] - got["hidden"]).abs().max() > 0.1  # not the normed state again
 
 
 def test_length_batches_and_plan():

@@ -55,6 +55,9 @@ def layer_fields(layer_config) -> dict:
 
 def configs(head: DraftHead, target_config: dict, target_path: str, dtype: str) -> dict[str, dict]:
     """config.json of each directory."""
+    if head.cfg.norm_before_fc:
+        raise ValueError("head.norm_before_fc=true is not exported yet (SGLang's EAGLE-3 layer has no norm before fc; "
+                         "vLLM's reads it as `input_norm`): train without it to export")
     layer = layer_fields(head.config)
     aux = list(head.aux_layers)
     common = {"draft_vocab_size": head.cfg.draft_vocab, "target_hidden_size": target_config["hidden_size"],

@@ -16,7 +16,8 @@ layers, fused, into a Llama decoder layer whose attention reads the token and th
 trainable lm_head over the draft vocabulary:
 
     g_i = fc([a_i; b_i; c_i])                          k·H -> H, no bias: the residual stream entering the
-                                                       target layers `aux_layers` (default 2, L//2, L-3)
+                                                       target layers `aux_layers` (default 2, L//2, L-3);
+                                                       with `norm_before_fc`, fc(input_norm([a; b; c]))
     z_i = midlayer(E[x_{i+1}], g_i)                    attention over [input_layernorm(E x); hidden_norm(g)]
                                                        (2H -> q, k, v), residual from g, then
                                                        post_attention_layernorm + MLP
@@ -82,6 +83,9 @@ class HeadConfig:
     aux_layers: list[int] = field(default_factory=list)
     # eagle3: the residual is hidden_norm(g) instead of g (vLLM speculators' option; SpecForge and SGLang: false)
     norm_before_residual: bool = False
+    # eagle3: one RMSNorm (`input_norm`, k·H wide) over the fused target features before fc (speculators' and
+    # vLLM's `norm_before_fc`; SpecForge and SGLang: false)
+    norm_before_fc: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_vocab < 0:
@@ -91,8 +95,9 @@ class HeadConfig:
         if self.variant == "eagle3" and not self.draft_vocab:
             raise ValueError("head.variant=eagle3 trains its own lm_head over a draft vocabulary: set "
                              "head.draft_vocab=N (EAGLE-3 uses 32000 for Llama 3's 128k tokens)")
-        if self.norm_before_residual and self.variant != "eagle3":
-            raise ValueError(f"head.norm_before_residual=true is for head.variant=eagle3 (this head is {self.variant})")
+        for name in ("norm_before_residual", "norm_before_fc"):
+            if getattr(self, name) and self.variant != "eagle3":
+                raise ValueError(f"head.{name}=true is for head.variant=eagle3 (this head is {self.variant})")
         if self.aux_layers and self.variant != "eagle3":
             raise ValueError(f"head.aux_layers={list(self.aux_layers)} is for head.variant=eagle3 (this head is "
                              f"{self.variant}); leave it empty")
@@ -290,6 +295,10 @@ class DraftHead(nn.Module):
             self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
         else:
             self.fc = nn.Linear(len(self.aux_layers) * H, H, bias=False)
+            if cfg.norm_before_fc:
+                from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+                self.input_norm = LlamaRMSNorm(len(self.aux_layers) * H, eps=eps)
         if cfg.variant == "eagle3":
             self.midlayer = Eagle3Layer(self.config, cfg.norm_before_residual)
             self.norm = LlamaRMSNorm(H, eps=eps)
@@ -320,7 +329,9 @@ class DraftHead(nn.Module):
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The first step's h from the target's features: eagle3's fc over its aux layers' states [.., k·H]
         (concatenated in `aux_layers` order); the final hidden state itself for the other variants."""
-        return self.fc(features) if self.cfg.variant == "eagle3" else features
+        if self.cfg.variant != "eagle3":
+            return features
+        return self.fc(self.input_norm(features) if self.cfg.norm_before_fc else features)
 
     def readout(self, out: torch.Tensor) -> torch.Tensor:
         """What the lm_head reads from a step's output: eagle3's `norm(z)`; the output itself otherwise (mtp's

@@ -189,15 +189,20 @@ def check_draft_tokenizer(target_path: str | Path, draft_path: str | Path, targe
 def hook_layer_inputs(decoder: torch.nn.Module, layers: list[int], into: dict[int, torch.Tensor], what: str = "store.layers"
                       ) -> list:
     """Forward pre-hooks that put the residual stream entering each decoder layer i of `layers` (transformers'
-    `hidden_states[i]`) into `into[i]` at every forward; returns their handles (`.remove()` them). `what`
-    names the setting in the errors."""
+    `hidden_states[i]`) into `into[i]` at every forward; returns their handles (`.remove()` them). i = L, one past
+    the last of L layers, is the last layer's output before the final norm (the norm's input; transformers'
+    `hidden_states[L]` is after the norm). `what` names the setting in the errors."""
     blocks = getattr(decoder, "layers", None)
     if layers and not isinstance(blocks, torch.nn.ModuleList):
         raise ValueError(f"{what}: {type(decoder).__name__} has no `layers` list to capture from")
-    bad = [i for i in layers if not 0 <= i < len(blocks)]
+    bad = [i for i in layers if not 0 <= i <= len(blocks)]
     if bad:
         raise ValueError(f"{what} {bad} out of range: the target has {len(blocks)} decoder layers "
-                         f"(0..{len(blocks) - 1})")
+                         f"(0..{len(blocks) - 1}, and {len(blocks)} for the final norm's input)")
+    norm = getattr(decoder, "norm", None)
+    if len(blocks) in layers and not isinstance(norm, torch.nn.Module):
+        raise ValueError(f"{what}: layer {len(blocks)} is the final norm's input, but {type(decoder).__name__} has "
+                         "no `norm` module to capture it from")
 
     def catcher(i: int):
         def hook(module, args, kwargs):
@@ -205,4 +210,5 @@ def hook_layer_inputs(decoder: torch.nn.Module, layers: list[int], into: dict[in
 
         return hook
 
-    return [blocks[i].register_forward_pre_hook(catcher(i), with_kwargs=True) for i in layers]
+    return [(blocks[i] if i < len(blocks) else norm).register_forward_pre_hook(catcher(i), with_kwargs=True)
+            for i in layers]

@@ -12,7 +12,9 @@ and each shard, for its N tokens and S samples:
     hidden           [N, H]  storage dtype  final hidden state after the final norm (what lm_head consumes)
     scale            [N]     float32        fp8 only: hidden ≈ float(hidden) * scale[:, None]
     layer_<i>        [N, H]  storage dtype  extra layer i: the residual stream entering decoder layer i
-                                            (HF `hidden_states[i]`), one tensor per entry of `layers`
+                                            (HF `hidden_states[i]`), one tensor per entry of `layers`;
+                                            i = L (the number of layers) is the last layer's output
+                                            before the final norm
     layer_<i>_scale  [N]     float32        fp8 only
     input_ids        [N]     int32
     loss_mask        [N]     int8

@@ -54,7 +54,8 @@ class StoreConfig:
     """How hidden states are stored (`store.*`)."""
 
     dtype: str = "auto"  # auto (= target.dtype) | float32 | bfloat16 | float16 | float8_e4m3 (per-token scale)
-    layers: list[int] = field(default_factory=list)  # extra layers i: the residual entering decoder layer i
+    layers: list[int] = field(default_factory=list)  # extra layers i: the residual entering decoder layer i (i = L:
+    #   the last layer's output before the final norm, which speculators trains on)
     shard_mb: float = 1024.0  # shard size in MiB
     batch_tokens: int = 4096  # padded tokens per forward batch (padded length × batch size)
     pad_multiple: int = 64  # a sample is padded to a multiple of this and batched only with samples of the same
@@ -461,10 +462,10 @@ def plan_jobs(cfg: "RunConfig") -> list[SplitJob]:
                             f"{identity['tokenizer']['path']} (sha256 {identity['tokenizer']['sha256'][:16]}): "
                             "rerun `mtp-train prepare` with this target")
     arch = TargetArch.from_pretrained(cfg.target.path)
-    bad = [i for i in store.layers if i >= arch.num_hidden_layers]
+    bad = [i for i in store.layers if i > arch.num_hidden_layers]
     if bad:
         raise ValueError(f"store.layers {bad} out of range: the target has {arch.num_hidden_layers} decoder layers "
-                         f"(0..{arch.num_hidden_layers - 1})")
+                         f"(0..{arch.num_hidden_layers - 1}, and {arch.num_hidden_layers} for the final norm's input)")
     layers = stored_layers(store.layers, arch, cfg.head)
     dtype = store.storage_dtype(cfg.target.dtype)
     settings = StoreSettings(dtype, arch.hidden_size, layers,

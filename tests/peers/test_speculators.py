@@ -1,0 +1,110 @@
+"""speculators 0.9.0 (in .venv-speculators, `make peers`) reads back what benchmarks/peers/write.py wrote from our
+tiny-eagle3 store, with its own loader, tensor for tensor; and trains 2 steps on it through
+benchmarks/peers/run_speculators.py, every CPU adjustment of that launcher applied."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("speculators", reason="speculators runs in its own venv: make peers")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from store_files import DIR, draft_ids, final_norm, manifests, rms_norm, store_samples  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def peers():
+    return manifests()
+
+
+def dataset(peers, split):
+    from speculators.train.data import ArrowDataset
+
+    return ArrowDataset(max_len=4096, datapath=peers["speculators"]["dir"], on_missing="raise",
+                        train_ratio=peers["train_data_ratio"], split=split, hidden_states_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_its_loader_reads_our_stores_samples(peers, split):
+    """ids, masks, the aux layers' inputs and the last layer's pre-norm output, exactly; speculators' held-out
+    part is our val split; its verifier norm over the last slot gives our stored final (post-norm) state."""
+    manifest, peers = peers
+    ours = store_samples(Path(manifest["store"]) / split)
+    ds = dataset(peers, split)
+    assert len(ds) == len(ours) == peers["samples"][split]
+    weight, eps = final_norm(Path(peers["target"]))
+    L = peers["num_layers"]
+    for i, s in enumerate(ours):
+        got = ds[i]
+        assert torch.equal(got["input_ids"], s["input_ids"])
+        assert torch.equal(got["loss_mask"].bool(), s["loss_mask"])
+        aux = torch.cat([s[f"layer_{a}"] for a in peers["aux_layers"]], dim=-1)
+        assert torch.equal(got["hidden_states"], aux)
+        assert torch.equal(got["verifier_last_hidden_states"], s[f"layer_{L}"])
+        torch.testing.assert_close(rms_norm(got["verifier_last_hidden_states"], weight, eps), s["hidden"],
+                                   atol=2e-5, rtol=1e-5)
+
+
+def test_it_loads_our_draft_vocabulary(peers):
+    from speculators.train.cli import _load_mappings
+
+    manifest, peers = peers
+    d2t, t2d, n = _load_mappings(peers["speculators"]["d2t"], peers["speculators"]["t2d"], peers["draft_vocab"])
+    ids = draft_ids(Path(manifest["store"]) / "train", peers["draft_vocab"], peers["vocab_size"])
+    assert n == peers["draft_vocab"] and t2d.dtype == torch.bool and int(t2d.sum()) == n
+    assert torch.equal(torch.arange(n) + d2t, ids) and torch.equal(torch.nonzero(t2d)[:, 0], ids)
+
+
+def train_args(peers, out: Path, steps: int) -> list[str]:
+    """speculators train matched to our tiny-eagle3 settings (AdamW, cosine, TTT with 0.8 per step, one
+    full-attention layer, our architecture's norms), CPU flags included."""
+    return ["--verifier-name-or-path", peers["target"], "--data-path", peers["speculators"]["dir"],
+            "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
+            "--draft-vocab-size", str(peers["draft_vocab"]), "--d2t-path", peers["speculators"]["d2t"],
+            "--t2d-path", peers["speculators"]["t2d"], "--target-layer-ids", *map(str, peers["aux_layers"]),
+            "--num-layers", "1", "--full-attention-indices", "0", "--hidden-states-dtype", "float32",
+            "--total-seq-len", "1024", "--optimizer", "adamw", "--lr", "2e-3", "--scheduler-type", "cosine",
+            "--scheduler-warmup-steps", "1", "--scheduler-total-steps", str(steps), "--ttt-steps", "3",
+            "--ttt-step-loss-decay", "0.8", "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
+            "--max-steps", str(steps), "--epochs", "1", "--num-workers", "0",
+            "--train-data-ratio", str(peers["train_data_ratio"]), "--seed", "0",
+            "--mask-token-id", "2", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+
+
+def test_it_trains_two_steps_with_the_cpu_adjustments(peers):
+    from safetensors import safe_open
+
+    _, peers = peers
+    out = DIR / "speculators-2-steps"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: speculators resumes from checkpoints it finds there,
+    record = out / "record.json"            # and its checkpoint loader pins memory, which needs an accelerator
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_speculators.py"), "--record",
+                           str(record), "--", *train_args(peers, out, 2)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(record.read_text())
+    replaced = {k: v for k, v in rec["adjustments"].items() if v["calls"] is not None}
+    assert set(replaced) == {"speculators.train.trainer:get_local_rank", "torch:accelerator.synchronize",
+                             "speculators.train.trainer:Trainer.__init__",
+                             "speculators.train.trainer:Trainer._optimizers_step",
+                             "speculators.train.data:CollateFn.__call__"}
+    assert all(v["calls"] > 0 for v in replaced.values()), replaced
+    assert len(rec["step_end_s"]) == 2 and len(rec["step_tokens"]) == 2 and all(0 < t <= 1024 for t in rec["step_tokens"])
+    ckpt = out / "checkpoints" / "checkpoint_best"
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["draft_vocab_size"] == peers["draft_vocab"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == peers["aux_layers"]
+    assert not config["norm_before_residual"] and not config["norm_before_fc"]
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        d2t = f.get_tensor("d2t")
+        assert all(torch.isfinite(f.get_tensor(k).float()).all() for k in f.keys())
+    import numpy as np
+
+    assert torch.equal(d2t, torch.from_numpy(np.load(peers["speculators"]["d2t"])))
