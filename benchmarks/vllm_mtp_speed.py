@@ -24,6 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def cpu_name() -> str:
+    """The processor's model name and core count (lscpu's "Model name"), e.g. "Intel(R) Xeon(R) Processor, 2 cores"."""
+    import os
+
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")] if Path("/proc/cpuinfo").is_file() else []
+    return f"{names[0] if names else platform.machine()}, {os.cpu_count()} cores"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", required=True)
@@ -68,8 +77,7 @@ def main() -> None:
         print(f"| {r['batch']} | {'head k=' + str(args.k) if r['head'] else 'target alone'} | {r['tokens']} | "
               f"{r['seconds']:.2f} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f}x |")
     out = ROOT / "benchmarks" / "results" / f"vllm_mtp_speed{'' if args.case == 'vllm-mtp' else '-' + args.case}.json"
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or
-                               platform.machine(), "case": args.case, "target": case["target"],
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu_name(), "case": args.case, "target": case["target"],
                                "draft": case["draft"], "k": args.k, "new_tokens": args.new_tokens, "rows": rows},
                               indent=1) + "\n")
     print(f"wrote {out}")

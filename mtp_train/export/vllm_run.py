@@ -4,7 +4,7 @@ torchvision torchaudio torchcodec); imports nothing of mtp_train, reads our expo
 
     python mtp_train/export/vllm_run.py TARGET PROMPTS.json OUT.json [METHOD DRAFT_DIR K] [--max-tokens 48]
         [--dtype float32] [--max-model-len 1024] [--temperature 0] [--seed 0] [--attention-backend NAME]
-        [--max-num-seqs N]
+        [--max-num-seqs N] [--draft-sample-method greedy|probabilistic]
 
 Writes to OUT.json vLLM's version, the output tokens, the seconds, vLLM's spec-decode counters and what they
 say: the verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. When vLLM fails
@@ -44,6 +44,10 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; otherwise sampled, seeded")
     ap.add_argument("--seed", type=int, default=0, help="the sampling seed of every request")
+    ap.add_argument("--draft-sample-method", choices=("greedy", "probabilistic"),
+                    help="how vLLM drafts when sampling (its default: greedy, the draft's argmax, accepted with the "
+                         "target's probability); probabilistic: drafts sampled from the head, accepted with "
+                         "min(1, p/q), as our engine does")
     ap.add_argument("--max-num-seqs", type=int, help="vLLM's batch limit (1: one request at a time)")
     ap.add_argument("--attention-backend", help="vLLM's attention backend (default: vLLM's choice), e.g. CPU_MLA: "
                     "on x86 CPUs with AMX vLLM picks AMX_MLA for MLA targets, which refuses fp32 weights")
@@ -53,7 +57,8 @@ def main() -> None:
     prompts = json.load(open(args.prompts))
     spec = None
     if args.spec:
-        spec = {"method": args.spec[0], "model": args.spec[1], "num_speculative_tokens": int(args.spec[2])}
+        spec = {"method": args.spec[0], "model": args.spec[1], "num_speculative_tokens": int(args.spec[2]),
+                **({"draft_sample_method": args.draft_sample_method} if args.draft_sample_method else {})}
     result = {"spec": spec, "vllm_version": vllm.__version__, "temperature": args.temperature}
     try:
         llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,

@@ -49,9 +49,9 @@ SMOL = ["head.draft_vocab=0", "data.regenerate=false", "data.sources.0.limit=64"
 DEEPSEEK_VLLM = ["--attention-backend", "CPU_MLA"]
 # CI's smoke test (--smoke): these cases, heads trained on a part of the tiny data, fewer prompts
 SMOKE = ("vllm-mtp", "eagle-vllm", "eagle3")
-SMOKE_DATA = ["data.sources.0.limit=150", "data.sources.1.limit=300", "data.sources.2.limit=4",
+SMOKE_DATA = ["data.sources.0.limit=60", "data.sources.1.limit=300", "data.sources.2.limit=4",
               "data.sources.3.limit=16"]
-SMOKE_PROMPTS = 4
+SMOKE_PROMPTS, SMOKE_STEPS = 4, 30
 # (case, recipe, overrides, export format, export subdirectory, k, train steps or None for the default)
 CASES = [
     ("vllm-mtp", "tiny", [], "vllm-mtp", "vllm-mtp", 3, None),
@@ -125,8 +125,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--no-smollm2", action="store_true", help="leave out the SmolLM2 cases even when it is present")
     ap.add_argument("--smoke", action="store_true",
-                    help=f"CI's serving smoke test: only {', '.join(SMOKE)} on the tiny target, heads trained on a "
-                         f"part of the tiny data, {SMOKE_PROMPTS} prompts (no DeepSeek, SmolLM2, T = 1, "
+                    help=f"CI's serving smoke test: only {', '.join(SMOKE)} on the tiny target, heads trained "
+                         f"{SMOKE_STEPS} steps on a part of the tiny data, {SMOKE_PROMPTS} prompts (no DeepSeek, SmolLM2, T = 1, "
                          "ablation, engine_check or regeneration cases)")
     args = ap.parse_args()
     out = args.out.resolve()
@@ -157,7 +157,7 @@ def main() -> None:
             continue
         overrides = [*overrides, *(SMOKE_DATA if args.smoke else [])]
         run_dir = out / f"run-{recipe}-{'-'.join(o.split('=')[-1] for o in overrides if not o.startswith('data.')) or 'default'}"
-        export = train_and_export(run_dir, recipe, overrides, fmt, steps or args.steps)
+        export = train_and_export(run_dir, recipe, overrides, fmt, SMOKE_STEPS if args.smoke else steps or args.steps)
         cfg = compose(recipe, [f"run_dir={run_dir}", "target.device=cpu", *overrides])
         tiny_prompts = tiny_prompts or held_out_prompts(run_dir / "data", n_prompts, 512)
         manifest["cases"].append(case(name, cfg, run_dir, export / sub, METHODS[sub], k, tiny_prompts))
