@@ -16,7 +16,7 @@ Cases (a layout, the method vLLM serves it with, the target):
   on 64 conversations, the target's full vocabulary), when the converted model is present (`make smollm2-fetch`).
 
 With `--smoke` (CI's `make test-serving-smoke`): only vllm-mtp, eagle-vllm and eagle3 on the tiny target, heads
-trained on a part of its data, 4 prompts; the vLLM tests then check greedy identity and acceptance only.
+trained 30 steps on a part of its data (eagle3 2 deep), 4 prompts; the vLLM tests then check greedy identity and acceptance only.
 
 manifest.json: per case the target, the prompts (token ids), the export directory, k, the new-token budget and
 what our engine did on the same prompts, greedy (`mtp_train.export.engine_check.ours`: the target alone and
@@ -52,6 +52,7 @@ SMOKE = ("vllm-mtp", "eagle-vllm", "eagle3")
 SMOKE_DATA = ["data.sources.0.limit=60", "data.sources.1.limit=300", "data.sources.2.limit=4",
               "data.sources.3.limit=16"]
 SMOKE_PROMPTS, SMOKE_STEPS = 4, 30
+SMOKE_TRAIN = {"eagle3": ["train.depth=2"]}  # EAGLE-3's 7-deep training-time test is most of the smoke's time
 # (case, recipe, overrides, export format, export subdirectory, k, train steps or None for the default)
 CASES = [
     ("vllm-mtp", "tiny", [], "vllm-mtp", "vllm-mtp", 3, None),
@@ -155,7 +156,7 @@ def main() -> None:
     for name, recipe, overrides, fmt, sub, k, steps in CASES:
         if args.smoke and name not in SMOKE:
             continue
-        overrides = [*overrides, *(SMOKE_DATA if args.smoke else [])]
+        overrides = [*overrides, *([*SMOKE_DATA, *SMOKE_TRAIN.get(name, [])] if args.smoke else [])]
         run_dir = out / f"run-{recipe}-{'-'.join(o.split('=')[-1] for o in overrides if not o.startswith('data.')) or 'default'}"
         export = train_and_export(run_dir, recipe, overrides, fmt, SMOKE_STEPS if args.smoke else steps or args.steps)
         cfg = compose(recipe, [f"run_dir={run_dir}", "target.device=cpu", *overrides])
