@@ -121,7 +121,7 @@ def test_engine_check_refuses_what_it_cannot_check(eagle_run, tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--vllm-python", str(fake), "--layout", "hf-mtp", "recipe=tiny", *base])
-    assert "vLLM serves eagle-vllm, eagle3" in capsys.readouterr().err
+    assert "vLLM serves vllm-mtp, eagle-vllm, eagle3" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--vllm-python", str(fake), "--layout", "eagle3", "recipe=tiny", *base])
     assert "has no export" in capsys.readouterr().err
