@@ -49,7 +49,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 @dataclass
 class ExportConfig:
-    format: str = "auto"  # auto | hf-mtp | vllm-mtp | eagle | eagle3 | deepseek-nextn (auto: what fits the head and target)
+    format: str = "auto"  # auto | hf-mtp | vllm-mtp | eagle | eagle3 | deepseek-nextn (auto: what fits head, target)
     checkpoint: str | None = None  # a checkpoint directory (run_dir/checkpoints/step-N); none: the latest
     dtype: str = "auto"  # auto (the target's config.json dtype) | bf16 | fp16 | fp32
     overwrite: bool = False  # replace export directories made from other inputs

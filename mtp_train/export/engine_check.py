@@ -26,7 +26,8 @@ from mtp_train.export.write import CARD, ENGINE_CHECK, EXPORT_JSON
 from mtp_train.files import write_atomic, write_json
 
 # export layout -> vLLM's speculative method for it
-METHODS = {"vllm-mtp": "eagle", "eagle-vllm": "eagle", "eagle3": "eagle3", "eagle3-speculators": "eagle3", "deepseek-nextn": "mtp"}
+METHODS = {"vllm-mtp": "eagle", "eagle-vllm": "eagle", "eagle3": "eagle3", "eagle3-speculators": "eagle3",
+           "deepseek-nextn": "mtp"}
 VLLM_RUN = Path(__file__).with_name("vllm_run.py")
 TOLERANCE = 0.03
 BEGIN, END = "<!-- engine-check -->", "<!-- /engine-check -->"

@@ -16,7 +16,8 @@ Cases (a layout, the method vLLM serves it with, the target):
   on 64 conversations, the target's full vocabulary), when the converted model is present (`make smollm2-fetch`).
 
 With `--smoke` (CI's `make test-serving-smoke`): only vllm-mtp, eagle-vllm and eagle3 on the tiny target, heads
-trained 30 steps on a part of its data (eagle3 2 deep), 4 prompts; the vLLM tests then check greedy identity and acceptance only.
+trained 30 steps on a part of its data (eagle3 2 deep), 4 prompts; the vLLM tests then check greedy identity
+and acceptance only.
 
 manifest.json: per case the target, the prompts (token ids), the export directory, k, the new-token budget and
 what our engine did on the same prompts, greedy (`mtp_train.export.engine_check.ours`: the target alone and
@@ -127,7 +128,8 @@ def main() -> None:
     ap.add_argument("--no-smollm2", action="store_true", help="leave out the SmolLM2 cases even when it is present")
     ap.add_argument("--smoke", action="store_true",
                     help=f"CI's serving smoke test: only {', '.join(SMOKE)} on the tiny target, heads trained "
-                         f"{SMOKE_STEPS} steps on a part of the tiny data, {SMOKE_PROMPTS} prompts (no DeepSeek, SmolLM2, T = 1, "
+                         f"{SMOKE_STEPS} steps on a part of the tiny data, {SMOKE_PROMPTS} prompts (no DeepSeek, "
+                         "SmolLM2, T = 1, "
                          "ablation, engine_check or regeneration cases)")
     args = ap.parse_args()
     out = args.out.resolve()
@@ -157,7 +159,8 @@ def main() -> None:
         if args.smoke and name not in SMOKE:
             continue
         overrides = [*overrides, *([*SMOKE_DATA, *SMOKE_TRAIN.get(name, [])] if args.smoke else [])]
-        run_dir = out / f"run-{recipe}-{'-'.join(o.split('=')[-1] for o in overrides if not o.startswith('data.')) or 'default'}"
+        named = [o.split("=")[-1] for o in overrides if not o.startswith("data.")]  # smoke's data cut: same name
+        run_dir = out / f"run-{recipe}-{'-'.join(named) or 'default'}"
         export = train_and_export(run_dir, recipe, overrides, fmt, SMOKE_STEPS if args.smoke else steps or args.steps)
         cfg = compose(recipe, [f"run_dir={run_dir}", "target.device=cpu", *overrides])
         tiny_prompts = tiny_prompts or held_out_prompts(run_dir / "data", n_prompts, 512)

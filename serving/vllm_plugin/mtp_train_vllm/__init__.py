@@ -1,7 +1,8 @@
 """vLLM plugin: mtp_train's `mtp` draft head as a draft architecture for speculative method `eagle`.
 
-    pip install ./serving/vllm_plugin          # into vLLM's environment
-    vllm serve TARGET --speculative-config '{"method": "eagle", "model": "runs/x/export/vllm-mtp", "num_speculative_tokens": 3}'
+    pip install --no-deps ./serving/vllm_plugin   # into vLLM's environment (it needs vllm and torch only)
+    vllm serve TARGET \\
+        --speculative-config '{"method": "eagle", "model": "runs/x/export/vllm-mtp", "num_speculative_tokens": 3}'
 
 vLLM loads `vllm.general_plugins` entry points in every process it starts; `register` adds the architecture that
 the `vllm-mtp` export's config.json names. Its name starts with `Eagle`, so vLLM's EAGLE config keeps it as is
