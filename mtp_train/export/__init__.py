@@ -1,6 +1,6 @@
 """`mtp-train export`: the trained head in the layouts serving engines load (DESIGN §7).
 
-    mtp-train export recipe=tiny run_dir=runs/demo [format=auto|hf-mtp|eagle|eagle3|deepseek-nextn]
+    mtp-train export recipe=tiny run_dir=runs/demo [format=auto|hf-mtp|vllm-mtp|eagle|eagle3|deepseek-nextn]
                      [checkpoint=DIR] [dtype=auto|bf16|fp16|fp32] [overwrite=true]
 
 | format           | head, target           | writes under run_dir/export/                                    |
@@ -11,13 +11,15 @@
 | `deepseek-nextn` | `mtp`, DeepSeek-V2     | `deepseek-nextn/` (vLLM's DeepSeek MTP loader)                   |
 | `eagle3`         | `eagle3`, any          | `eagle3/` (vLLM's and SGLang's EAGLE-3 loaders) and               |
 |                  |                        | `eagle3-speculators/` (vLLM's speculators format); `eagle3.py`   |
+| `vllm-mtp`       | `mtp`, Llama / Qwen    | `vllm-mtp/` (vLLM with our plugin, serving/vllm_plugin: method   |
+|                  |                        | `eagle`); also written by `hf-mtp` (and `auto`) for these targets |
 
 `auto` picks the one that fits the head and the target. Key names and config fields per layout, and the
 loader files they follow, are in `layouts.py`. Every directory is read back into a `DraftHead` and must
 reproduce the trained head's output before it replaces anything, and gets a model card (`card.py`).
 
 A head trained with a draft vocabulary (`head.draft_vocab`) is exported without it except in the EAGLE-3
-layouts: the others have none (their engines draft with the target's full lm_head), so `d2t` / `t2d` are left
+layouts and `vllm-mtp` (`d2t`, applied by the plugin's compute_logits): the others have none (their engines draft with the target's full lm_head), so `d2t` / `t2d` are left
 out and the card says so. The EAGLE-3 directories are read back by loaders that follow each engine
 (`eagle3.read_engine`) and must give the trained head's logits over the target vocabulary exactly.
 
@@ -36,18 +38,18 @@ from typing import TYPE_CHECKING
 
 from mtp_train import __version__
 from mtp_train.export.eagle3 import EAGLE3
-from mtp_train.export.layouts import EAGLE, HF_MTP, NEXTN
+from mtp_train.export.layouts import EAGLE, HF_MTP, NEXTN, VLLM_MTP, VLLM_MTP_FAMILIES
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
 
-FORMATS = ("auto", HF_MTP, EAGLE, EAGLE3, NEXTN)
+FORMATS = ("auto", HF_MTP, VLLM_MTP, EAGLE, EAGLE3, NEXTN)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass
 class ExportConfig:
-    format: str = "auto"  # auto | hf-mtp | eagle | eagle3 | deepseek-nextn (auto: what fits the head and target)
+    format: str = "auto"  # auto | hf-mtp | vllm-mtp | eagle | eagle3 | deepseek-nextn (auto: what fits head, target)
     checkpoint: str | None = None  # a checkpoint directory (run_dir/checkpoints/step-N); none: the latest
     dtype: str = "auto"  # auto (the target's config.json dtype) | bf16 | fp16 | fp32
     overwrite: bool = False  # replace export directories made from other inputs
@@ -74,7 +76,7 @@ def choose_format(requested: str, variant: str, model_type: str) -> str:
                          "norm and normalises its output (post_norm), while EAGLE-1 loaders compute fc([E x; h]) "
                          "into a layer without input norm and no final norm. Use format=hf-mtp, or train with "
                          "head.variant=eagle1")
-    if fmt in (HF_MTP, NEXTN) and variant != "mtp":
+    if fmt in (HF_MTP, NEXTN, VLLM_MTP) and variant != "mtp":
         hint = "use format=eagle" if model_type == "llama" else \
             (f"no layout here serves an eagle1 head on a {model_type!r} target (eagle is Llama-only): train with "
              "head.variant=mtp")
@@ -87,6 +89,10 @@ def choose_format(requested: str, variant: str, model_type: str) -> str:
         raise ValueError("format=hf-mtp cannot carry this head: transformers builds the MTP layers of DeepSeek "
                          "models with the MoE MLP (get_mtp_config sets first_k_dense_replace=0) and this head's MLP "
                          "is dense; use format=deepseek-nextn (vLLM)")
+    if fmt == VLLM_MTP and model_type not in VLLM_MTP_FAMILIES:
+        hint = "use format=deepseek-nextn" if model_type == "deepseek_v2" else "use format=hf-mtp"
+        raise ValueError(f"format=vllm-mtp is read by our vLLM plugin, which builds the head's layer for "
+                         f"{', '.join(VLLM_MTP_FAMILIES)} targets; this target is {model_type!r}: {hint}")
     if fmt == EAGLE and model_type != "llama":
         raise ValueError(f"format=eagle writes the EAGLE-1 layout of vLLM's and SGLang's Llama loaders "
                          f"(llama_eagle.py); this target is {model_type!r}")
@@ -115,6 +121,7 @@ def _jobs(fmt: str, state: dict, target_dir: Path, target_config: dict, dtype: s
     from mtp_train.export.write import WEIGHTS, save_weights, stitch
     from mtp_train.files import write_json
     from mtp_train.model.frozen import read_tensors
+    from mtp_train.model.head import DRAFT_VOCAB_BUFFERS
 
     def cast(tensors: dict) -> dict:
         return {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
@@ -125,14 +132,27 @@ def _jobs(fmt: str, state: dict, target_dir: Path, target_config: dict, dtype: s
             write_json(tmp / "config.json", layouts.exported_config(target_config, layout, dtype))
         return write
 
+    def vllm_mtp():  # our vLLM plugin's layout, d2t included (int64: not cast)
+        layout = layouts.vllm_mtp(target_config, int(state["d2t"].numel()) if "d2t" in state else 0)
+        tensors = layout.to_export({k: v for k, v in state.items() if k != "t2d"})
+
+        def write(tmp: Path) -> None:
+            save_weights({k: v if k == "d2t" else v.to(getattr(torch, dtype)) for k, v in tensors.items()},
+                         tmp / WEIGHTS)
+            write_json(tmp / "config.json", layouts.exported_config(target_config, layout, dtype))
+        return (VLLM_MTP, layout, write, True)
+
+    if fmt == VLLM_MTP:
+        return [vllm_mtp()]
     if fmt == HF_MTP:
         layout = layouts.hf_mtp(target_config)
-        tensors = layout.to_export(state)
+        tensors = layout.to_export({k: v for k, v in state.items() if k not in DRAFT_VOCAB_BUFFERS})
         # the stitched config keeps the target's dtype: it is the dtype the whole model loads in (`dtype="auto"`),
         # and transformers casts the MTP layer to the main model's dtype anyway
         config = {**target_config, **layout.config}
         return [("hf-mtp", layout, plain(layout, tensors), True),
-                ("hf-mtp-stitched", layout, lambda tmp: stitch(tmp, target_dir, cast(tensors), config), True)]
+                ("hf-mtp-stitched", layout, lambda tmp: stitch(tmp, target_dir, cast(tensors), config), True),
+                *([vllm_mtp()] if target_config.get("model_type") in VLLM_MTP_FAMILIES else [])]
     if fmt == EAGLE:
         folded = "fc.bias" in state
         vllm = layouts.eagle(target_config, "vllm", attention_bias=folded)
@@ -178,9 +198,11 @@ def run(cfg: "RunConfig") -> list[Path]:
     head, meta = read_head(cfg, Path(e.checkpoint) if e.checkpoint else None)
     fmt = choose_format(e.format, meta["variant"], target_config.get("model_type"))
     dtype = export_dtype(e.dtype, target_config)
-    # fp32; `head` becomes the reference: its weights rounded to `dtype`, computing in fp32. No layout carries a
-    # draft vocabulary (the card says so); the round trip compares ĥ, which it does not change.
-    state = {k: v for k, v in head.state_dict().items() if k not in DRAFT_VOCAB_BUFFERS or fmt == EAGLE3}
+    # fp32; `head` becomes the reference: its weights rounded to `dtype`, computing in fp32. Only the EAGLE-3
+    # layouts and vllm-mtp carry a draft vocabulary (the cards say so); the round trip compares ĥ, and the draft
+    # ids where the layout carries them.
+    state = {k: v for k, v in head.state_dict().items()
+             if k not in DRAFT_VOCAB_BUFFERS or fmt in (EAGLE3, HF_MTP, VLLM_MTP)}
     head = head.to(getattr(torch, dtype)).float()
     ckpt = Path(meta["checkpoint"])
     report_path, manifest_path = run_dir / "validation" / "report.json", run_dir / "data" / "manifest.json"

@@ -45,7 +45,7 @@ def _identity(c: CardInputs) -> str:
 def _draft_vocab(layout: str, c: CardInputs) -> str:
     """What a draft vocabulary the head was trained with means for this layout ("" without one)."""
     n = c.meta["head"].get("draft_vocab", 0)
-    if not n or layout in ("eagle3", "eagle3-speculators"):  # these layouts carry it (d2t, t2d, lm_head)
+    if not n or layout in ("eagle3", "eagle3-speculators", "vllm-mtp"):  # these layouts carry it (d2t)
         return ""
     coverage = c.meta.get("draft_vocab_coverage")
     covered = f", covering {coverage:.1%} of the trained positions" if coverage is not None else ""
@@ -173,6 +173,8 @@ SGLang's EAGLE `fc` always has a bias (zeros here when the head was trained with
 `eagle-vllm` beside this directory."""
     if layout in ("eagle3", "eagle3-speculators"):
         return _serving_eagle3(layout, out, c)
+    if layout == "vllm-mtp":
+        return _serving_vllm_mtp(out, c)
     return f"""The NextN layout of DeepSeek-V3's MTP module (`model.layers.{n}.*`, `DeepSeekMTPModel`; this
 directory's `config.json` makes layer {n} dense, as the head is). **No serving engine we know of loads it as it
 stands**, which is why it is written but not the default advice:
@@ -231,7 +233,39 @@ python -m sglang.launch_server --model-path {c.target_path} --speculative-algori
 {conventions}"""
 
 
+def plugin_dir() -> Path:
+    """Where the vLLM plugin package lies in this checkout of mtp_train (serving/vllm_plugin)."""
+    return Path(__file__).resolve().parents[2] / "serving" / "vllm_plugin"
+
+
+def _serving_vllm_mtp(out: Path, c: CardInputs) -> str:
+    n = c.meta["head"].get("draft_vocab", 0)
+    vocab = (f" With the head's draft vocabulary ({n:,} tokens, `draft_vocab_size` in `config.json`, `d2t` in the "
+             "weights: target id = draft id + d2t[draft id]) the plugin sets the logits outside it to -inf, which "
+             "is what the trained head drafts from." if n else "")
+    return f"""**vLLM** (>= 0.32) with mtp_train's plugin, which adds this head's architecture
+(`EagleMtpHeadForCausalLM`: enorm, hnorm, eh_proj, the target family's decoder layer with its input norm,
+post_norm) to vLLM through its `vllm.general_plugins` entry point. Install it into vLLM's environment once
+(it needs vllm and torch only; the directory is in the mtp_train repository):
+
+```bash
+pip install {plugin_dir()}
+vllm serve {c.target_path} --speculative-config '{{"method": "eagle", "model": "{out}", "num_speculative_tokens": 3}}'
+```
+
+vLLM's EAGLE proposer runs the head: its post-norm output is both what the target's lm_head reads (shared, as
+is the embedding: this directory holds neither) and the hidden state of the next draft step, as in our
+drafter.{vocab} The decoder layer is vLLM's own tensor-parallel one (`--tensor-parallel-size` works as for the
+target)."""
+
+
 def _no_engine_mtp(c: CardInputs) -> str:
+    if c.target_config.get("model_type") in ("llama", "qwen2", "qwen3"):
+        return ("**vLLM**: `vllm-mtp` beside this directory is this head for vLLM with mtp_train's plugin "
+                "(its card gives the install line and the `vllm serve` command). **SGLang**: its MTP loaders are "
+                "written per model family (DeepSeek, MiMo, GLM, ...) and none loads an MTP layer of a "
+                f"`{c.target_config.get('model_type')}` target; train an `eagle1` head (`head.variant=eagle1`) "
+                "and export it with `format=eagle` for it.")
     return (f"**vLLM / SGLang**: their MTP loaders are written per model family (DeepSeek, MiMo, GLM, ...; "
             f"vLLM's `_SPECULATIVE_DECODING_MODELS` registry) and none of those read for this exporter loads an "
             f"MTP layer of a "

@@ -26,7 +26,8 @@ from mtp_train.export.write import CARD, ENGINE_CHECK, EXPORT_JSON
 from mtp_train.files import write_atomic, write_json
 
 # export layout -> vLLM's speculative method for it
-METHODS = {"eagle-vllm": "eagle", "eagle3": "eagle3", "eagle3-speculators": "eagle3", "deepseek-nextn": "mtp"}
+METHODS = {"vllm-mtp": "eagle", "eagle-vllm": "eagle", "eagle3": "eagle3", "eagle3-speculators": "eagle3",
+           "deepseek-nextn": "mtp"}
 VLLM_RUN = Path(__file__).with_name("vllm_run.py")
 TOLERANCE = 0.03
 BEGIN, END = "<!-- engine-check -->", "<!-- /engine-check -->"
@@ -51,10 +52,14 @@ def exported_head(cfg, export_dir: Path, target):
     return HeadDrafter(head, target.model.get_input_embeddings(), target.lm_head)
 
 
-def ours(cfg, prompts: list[list[int]], k: int, new_tokens: int, export_dir: Path) -> dict:
+def ours(cfg, prompts: list[list[int]], k: int, new_tokens: int, export_dir: Path,
+         temperature: float = 0.0) -> dict:
     """Greedy decoding of `prompts` with our engine: the target alone (one batch), then with the head
-    `export_dir` holds at `k`, one prompt at a time (vLLM's counters are compared per verification step)."""
-    from mtp_train.inference import generate, load_runner
+    `export_dir` holds at `k`, one prompt at a time (vLLM's counters are compared per verification step).
+    With `temperature` > 0, also the head's sampled run at it (seeded per prompt): `sampled`."""
+    import torch
+
+    from mtp_train.inference import SamplingConfig, generate, load_runner
     from mtp_train.inference.load import stop_tokens
     from mtp_train.model.target import load_tokenizer
 
@@ -63,14 +68,26 @@ def ours(cfg, prompts: list[list[int]], k: int, new_tokens: int, export_dir: Pat
     stop = stop_tokens(tokenizer, target)
     alone = generate(target, prompts, max_new_tokens=new_tokens, stop_tokens=stop)
     drafter = exported_head(cfg, export_dir, target)
-    tokens, steps, accepted = [], 0, [0] * k
-    for p in prompts:
-        out = generate(target, [p], drafter=drafter, k=k, max_new_tokens=new_tokens, stop_tokens=stop)
-        tokens += out.tokens
-        steps += out.stats.steps
-        accepted = [a + b for a, b in zip(accepted, out.stats.accepted)]
-    return {"target_only_tokens": alone.tokens, "tokens": tokens, "steps": steps, "accepted_per_position": accepted,
-            "stop_tokens": sorted(stop), "dtype": str(target.dtype).removeprefix("torch.")}
+
+    def speculative(sampling=None) -> tuple[list, int, list[int]]:
+        tokens, steps, accepted = [], 0, [0] * k
+        for i, p in enumerate(prompts):
+            rng = torch.Generator(target.device).manual_seed(i) if sampling else None
+            out = generate(target, [p], drafter=drafter, k=k, max_new_tokens=new_tokens, stop_tokens=stop,
+                           sampling=sampling, generator=rng)
+            tokens += out.tokens
+            steps += out.stats.steps
+            accepted = [a + b for a, b in zip(accepted, out.stats.accepted)]
+        return tokens, steps, accepted
+
+    tokens, steps, accepted = speculative()
+    result = {"target_only_tokens": alone.tokens, "tokens": tokens, "steps": steps,
+              "accepted_per_position": accepted, "stop_tokens": sorted(stop),
+              "dtype": str(target.dtype).removeprefix("torch.")}
+    if temperature > 0:
+        _, steps, accepted = speculative(SamplingConfig(temperature=temperature))
+        result["sampled"] = {"temperature": temperature, "steps": steps, "accepted_per_position": accepted}
+    return result
 
 
 def cut(tokens: list[int], stop: list[int]) -> list[int]:

