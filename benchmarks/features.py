@@ -31,18 +31,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import command, machine  # noqa: E402
 
+from mtp_train.validate import processor_name  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("store", "online", "hybrid")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def disk_bytes(path: Path) -> int:
@@ -96,7 +88,7 @@ def subset(data: Path, out: Path, limits: dict[str, int]) -> Path:
 def write(args, data: Path, rows: list[dict]) -> Path:
     manifest = json.loads((data / "manifest.json").read_text())
     result = {"benchmark": "features", "date": date.today().isoformat(), "machine": {**machine(int(os.environ.get(
-        "OMP_NUM_THREADS", os.cpu_count() or 1))), "cpu_model": cpu_model()}, "command": command("features.py", args),
+        "OMP_NUM_THREADS", os.cpu_count() or 1))), "cpu_model": processor_name()}, "command": command("features.py", args),
         "recipe": args.recipe, "data": {k: v for k, v in manifest.get("splits", {}).items()}, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"features-{args.recipe}.json"
@@ -149,7 +141,7 @@ def main() -> None:
             for d in runs.values():
                 shutil.rmtree(d, ignore_errors=True)
     out = write(args, data, rows)
-    print(f"\n{args.recipe} on {cpu_model()} ({os.cpu_count()} CPUs)")
+    print(f"\n{args.recipe} on {processor_name()} ({os.cpu_count()} CPUs)")
     print(f"{'epochs':>6} {'mode':<7} {'precompute s':>13} {'train s':>8} {'total s':>8} {'store MiB':>10} "
           f"{'d1 acc':>7} {'= store':>8}")
     for r in rows:
