@@ -85,7 +85,7 @@ def test_export_takes_bare_keys(tmp_path, capsys):
     assert e == {"format": "eagle", "checkpoint": f"{tmp_path}/checkpoints/step-000100", "dtype": "bf16",
                  "overwrite": True}
     assert main(["export", f"run_dir={tmp_path}", "format=safetensors"]) == EXIT_USAGE
-    assert "export.format='safetensors': expected one of auto, hf-mtp, eagle, eagle3, deepseek-nextn" in capsys.readouterr().err
+    assert "export.format='safetensors': expected one of auto, hf-mtp, vllm-mtp, eagle, eagle3, deepseek-nextn" in capsys.readouterr().err
 
 
 def test_cli_rejects_unknown_key_and_recipe(tmp_path, capsys):
