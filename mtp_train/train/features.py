@@ -62,7 +62,7 @@ class OnlineSplit:
         """Samples `indices` flattened: input_ids [N], loss_mask [N], offsets [len+1]."""
         import pyarrow.compute as pc
 
-        table = self.job.data.dataset[list(indices)] if len(indices) else None
+        table = self.job.data.dataset[list(indices)]  # callers never ask for no samples (fetch returns [] first)
         ids = torch.from_numpy(pc.list_flatten(table["input_ids"]).to_numpy().astype("int64"))
         mask = torch.from_numpy(pc.list_flatten(table["loss_mask"]).to_numpy().astype("int8"))
         lengths = torch.as_tensor(self.lengths[list(indices)], dtype=torch.int64)
