@@ -111,8 +111,8 @@ def train_one(base: Path, variant: str, seed: int, args) -> dict:
     target = load_runner(cfg.target.path, cfg.target)
     drafter = load_head(cfg, target)[0]
     prompts, _ = held_out_prompts(run_dir / "data", args.prompts, cfg.validate.max_prompt_tokens)
-    entries, _ = decoding(cfg, target, {"head": drafter}, prompts, stop_tokens(load_tokenizer(cfg.target.path), target),
-                          say=lambda *a: None)
+    entries, _, _ = decoding(cfg, target, {"head": drafter}, prompts, stop_tokens(load_tokenizer(cfg.target.path), target),
+                             say=lambda *a: None)
     result = {"variant": variant, "seed": seed, "train_seconds": seconds, "depth": cfg.train.depth,
               "params": sum(p.numel() for p in trainer.head.parameters()),
               "acc": tf["accuracy_by_depth"], "accept": tf["expected_acceptance_by_depth"],

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from mtp_train.config import RunConfig
 
 DRAFTERS = ("head", "draft")
+ENGINES = ("ours", "vllm")
 
 
 @dataclass
@@ -70,9 +71,17 @@ class ValidateConfig:
     # a row measured below 0.5x or above 1.5x of its prediction, above its tau, or between target-only rounds that
     # spread more than 15% is timed again, up to this many times; one that stays so is flagged `suspect`
     retimes: int = 2
+    # ours: our engine decodes (the whole target on one device); vllm: vLLM decodes the head's export
+    # (mtp_train/export/vllm_validate.py), for targets ours cannot hold; teacher-forced metrics stay ours
+    engine: str = "ours"
+    vllm_python: str = ""  # vLLM's venv Python (default: $MTP_TRAIN_VLLM_PYTHON, else the repository's .venv-vllm)
+    tensor_parallel_size: int = 1  # vLLM's, with engine=vllm
+    vllm_args: list[str] = field(default_factory=list)  # more vllm_run.py options, e.g. [--attention-backend,CPU_MLA]
 
     def __post_init__(self) -> None:
-        for name in ("max_k", "max_new_tokens", "batch_size", "max_prompt_tokens"):
+        if self.engine not in ENGINES:
+            raise ValueError(f"validate.engine={self.engine!r}: expected one of {', '.join(ENGINES)}")
+        for name in ("max_k", "max_new_tokens", "batch_size", "max_prompt_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"validate.{name}={getattr(self, name)}: must be >= 1")
         for name in ("depth", "num_prompts", "val_samples", "retimes"):
@@ -373,6 +382,9 @@ def _format_decoding(report: dict) -> list[str]:
                      + (f" ({s['processor']})" if s.get("processor") else ""))
         if s.get("prompts"):
             lines.append(f"  {s['prompts']}")
+        if s.get("engine") == "vllm":
+            lines.append(f"  decoded by vLLM {s['vllm_version']} ({s['layout']} export, method {s['method']}, "
+                         f"tensor_parallel_size {s['tensor_parallel_size']}); teacher-forced figures are ours")
         lines.append(f"  {'drafter':<8}{'T':>4}{'k':>3}{'tau':>7}  {'acceptance by position':<30}{'tok/s':>8}"
                      f"{'speed-up':>10}  greedy = target")
         for b in report["target_only"]:
@@ -528,8 +540,10 @@ class _SpeedModel:
         self.cfg, self.target = cfg, target
         self.profile = predict.runner_profile(target.device, target.dtype)
         self.costs = predict.target_cost(target.model.config), predict.head_cost(target.model.config, cfg.head)
-        self.overhead = (predict.measure_overhead(target, head, probe, *self.costs, self.profile, target.dtype.itemsize)
-                         if self.profile is not None else None)
+        v = cfg.validate  # every k validate decodes is timed, and every tree's verification size
+        widest = max([v.max_k, *(tree.num_draft_tokens - 1 for tree in v.trees)])
+        self.overhead = (predict.measure_overhead(target, head, probe, *self.costs, self.profile, target.dtype.itemsize,
+                                                  max_k=widest) if self.profile is not None else None)
 
     def row(self, e: dict, context: float) -> float | None:
         from mtp_train.inference.predict import predict_speedup
@@ -574,8 +588,18 @@ def run(cfg: "RunConfig") -> dict:
     prompts = [p for _, ps, _, _ in sets for p in ps]
     if not v.teacher_forced and not prompts:
         raise ValueError("nothing to validate: validate.teacher_forced=false and validate.num_prompts=0")
-    # real decoding needs the whole target on one device; the teacher-forced metrics only its E and W
-    target = load_runner(cfg.target.path, cfg.target) if prompts else None
+    in_vllm = v.engine == "vllm" and bool(prompts)
+    if in_vllm:
+        from mtp_train.export.vllm_validate import vllm_python
+
+        python = vllm_python(v.vllm_python)  # before any weights are loaded
+        skipped = [what for what, on in (("draft trees (validate.trees)", v.trees),
+                                         ("the draft LM", "draft" in names)) if on]
+        if skipped:
+            print(f"validate: engine=vllm decodes the head's chains only; not decoded: {', '.join(skipped)}")
+    # real decoding needs the whole target on one device (unless vLLM decodes); the teacher-forced metrics only
+    # its E and W
+    target = load_runner(cfg.target.path, cfg.target) if prompts and not in_vllm else None
     device = target.device if target is not None else resolve_device(cfg.target.device)
     frozen_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     head, meta = load_head_module(cfg, device, torch.float32)  # fp32 as trained; decoding casts it below
@@ -592,7 +616,26 @@ def run(cfg: "RunConfig") -> dict:
             frozen = FrozenTarget.from_pretrained(cfg.target.path, frozen_dtype, device)
         report.update(teacher_forced(cfg, head, frozen, device, v.depth or v.max_k))
         del frozen
-    if prompts:
+    if in_vllm:
+        from mtp_train.export.vllm_validate import decode_set, export_for_vllm
+
+        target_config = json.loads((Path(cfg.target.path) / "config.json").read_text())
+        export_dir, method = export_for_vllm(cfg, meta["variant"], target_config.get("model_type"))
+        sections = []
+        for spec, set_prompts, _, source in sets:
+            print(f"validate: prompt set {spec}: {source}")
+            entries, baselines, engine = decode_set(cfg, spec, set_prompts, export_dir, method, python)
+            settings = {"prompts": source, "num_prompts": len(set_prompts),
+                        "mean_prompt_tokens": sum(map(len, set_prompts)) / len(set_prompts),
+                        "max_new_tokens": v.max_new_tokens, "batch_size": v.batch_size,
+                        "temperatures": list(v.temperatures), "dtype": cfg.target.dtype,
+                        "machine": platform.machine(), "processor": processor_name(), **engine}
+            sections.append({"name": spec, "decoding": entries, "tree_decoding": [], "target_only": baselines,
+                             "decoding_settings": settings})
+        report.update({key: sections[0].get(key) for key in ("name", "decoding", "tree_decoding", "target_only",
+                                                              "decoding_settings")})
+        report["prompt_sets"] = sections
+    elif prompts:
         drafters = {"head": HeadDrafter(head.to(target.dtype), target.model.get_input_embeddings(), target.lm_head)} \
             if "head" in names else {}
         if "draft" in names:

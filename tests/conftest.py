@@ -7,6 +7,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# the engine's few-row CPU projections in one form, not the one a timing probe picks (tests/test_projection.py
+# tests the probe): the same summation order on every run and machine
+os.environ.setdefault("MTP_TRAIN_PROJECTION", "stream")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from mtp_train.config import ASSETS_DIR  # noqa: E402

@@ -17,7 +17,7 @@ from mtp_train.cli import EXIT_FAILED, main
 from mtp_train.config import compose
 from mtp_train.export import choose_format
 from mtp_train.export import run as export
-from mtp_train.export.layouts import hf_mtp, nextn, vllm_mtp
+from mtp_train.export.layouts import deepseek_eagle, hf_mtp, nextn, vllm_mtp
 from mtp_train.export.write import read_back
 from mtp_train.model.frozen import FrozenTarget
 from mtp_train.model.head import DraftHead, HeadConfig, additive_mask
@@ -336,7 +336,7 @@ def tiny_deepseek():
 def test_deepseek_nextn_layout(tmp_path):
     model = tiny_deepseek()
     cfg, head, frozen = saved_run(tmp_path, model, HeadConfig(variant="mtp"))
-    assert [p.name for p in export(cfg)] == ["deepseek-nextn"]  # format=auto on a DeepSeek target
+    assert [p.name for p in export(cfg)] == ["deepseek-nextn", "deepseek-eagle"]  # format=auto, DeepSeek target
     out = Path(cfg.run_dir) / "export" / "deepseek-nextn"
     got = keys(out / "model.safetensors")
     n = model.config.num_hidden_layers
@@ -363,6 +363,26 @@ def test_deepseek_nextn_layout(tmp_path):
     ids = torch.tensor([[3, 17, 88, 40, 5, 61, 9]])
     hidden = torch.randn(1, ids.shape[1], 64, generator=torch.Generator().manual_seed(2))
     back = read_back(out, nextn(model.config.to_dict()), "mtp")
+    assert torch.equal(logits(back, frozen, ids, hidden), logits(head.eval(), frozen, ids, hidden))
+
+    # beside it, vLLM's EagleDeepSeekMTPModel (deepseek_eagle.py): enorm, hnorm, fc, norm and the layer under
+    # layers.0 (its module list's index; vLLM prefixes "model."), no embedding or lm_head
+    out = Path(cfg.run_dir) / "export" / "deepseek-eagle"
+    got = keys(out / "model.safetensors")
+    assert {"enorm.weight", "hnorm.weight", "fc.weight", "norm.weight"} <= got
+    layer = {k for k in got if k.startswith("layers.0.")}
+    assert got - layer == {"enorm.weight", "hnorm.weight", "fc.weight", "norm.weight"}
+    assert {k.replace("layers.0.", "mtp_block.", 1) for k in layer} == {
+        k for k in head.state_dict() if k.startswith("mtp_block.")}
+    assert not any("experts" in k for k in got)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("fc.weight"), head.eh_proj.weight.detach())
+        assert torch.equal(f.get_tensor("norm.weight"), head.post_norm.weight.detach())
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["EagleDeepSeekMTPModel"] and config["num_hidden_layers"] == 1
+    assert config["first_k_dense_replace"] == n + 1  # vLLM's DeepseekV2DecoderLayer at index n: dense MLP
+    assert '"method": "eagle"' in (out / "README.md").read_text()
+    back = read_back(out, deepseek_eagle(model.config.to_dict()), "mtp")
     assert torch.equal(logits(back, frozen, ids, hidden), logits(head.eval(), frozen, ids, hidden))
 
 

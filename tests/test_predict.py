@@ -141,6 +141,20 @@ def test_step_overhead_from_a_made_up_timing_table_by_hand():
     assert P.predict_speedup(target, head, device, 1, 3, 2.2, 50, 4, (3, 2, 4), o)["step_ms"] == pytest.approx(37.0)
     # without the overhead, the same row is the weights-only model's
     assert P.predict_speedup(target, head, device, 1, 3, 2.2, 50, 4)["speedup"] == pytest.approx(2.2 * 7 / 14.5)
+    # k = 3 timed too (a CPU's 4-token verification costing more than the roofline says): its own overhead,
+    # measured, replaces the extrapolation; a tree verifying 4 tokens takes the chain k = 3's, plus or minus a
+    # further head step per head step more or fewer
+    o3 = P.overhead_from_timings({**timings, 3: [(40.0, 2), (44.0, 2)]}, target, head, device, 1, 50, 4)
+    # modelled k = 3 step: 7 + 2.5 + 2 x 2.5 = 14.5 -> overheads 25.5, 29.5 -> 27.5
+    assert o3.by_k == pytest.approx((3.5, 12.5, 17.5, 27.5)) and o3.measured_ms[3] == pytest.approx(42.0)
+    assert o3.spec_ms(3) == pytest.approx(27.5) and o3.spec_ms(2) == pytest.approx(17.5)
+    assert o3.spec_ms(5) == pytest.approx(27.5 + 2 * 5.0)  # past k = 3: a further draft each
+    assert o3.spec_ms(3, verified=4) == pytest.approx(27.5)  # tree 3/2/4: the chain k = 3's verification
+    assert o3.spec_ms(2, verified=4) == pytest.approx(27.5 - 5.0)  # tree 2/3/4: one head step fewer
+    assert P.predict_speedup(target, head, device, 1, 3, 2.2, 50, 4, (3, 2, 4), o3)["step_ms"] == pytest.approx(
+        7 + 2.5 + 2 * 2.5 + 27.5)
+    with pytest.raises(ValueError, match="without gaps"):
+        P.overhead_from_timings({**timings, 3: [], 4: [(50.0, 2)]}, target, head, device, 1, 50, 4)
     # a k = 2 cheaper than k = 1 (noise) does not make drafts free of cost below nothing
     timings[2] = [(20.0, 1)]
     assert P.overhead_from_timings(timings, target, head, device, 1, 50, 4).per_draft_ms == 0.0

@@ -8,7 +8,7 @@
 | `hf-mtp`         | `mtp`, Llama / Qwen    | `hf-mtp/` (the head alone as MTP layer N) and `hf-mtp-stitched/` |
 |                  |                        | (the target, linked, plus the head: transformers `use_mtp=True`) |
 | `eagle`          | `eagle1`, Llama        | `eagle-vllm/` and `eagle-sglang/` (the engines' EAGLE-1 loaders) |
-| `deepseek-nextn` | `mtp`, DeepSeek-V2     | `deepseek-nextn/` (vLLM's DeepSeek MTP loader)                   |
+| `deepseek-nextn` | `mtp`, DeepSeek-V2     | `deepseek-nextn/` (DeepSeek-V3's NextN keys) and `deepseek-eagle/` (vLLM's `EagleDeepSeekMTPModel`) |
 | `eagle3`         | `eagle3`, any          | `eagle3/` (vLLM's and SGLang's EAGLE-3 loaders) and               |
 |                  |                        | `eagle3-speculators/` (vLLM's speculators format); `eagle3.py`   |
 | `vllm-mtp`       | `mtp`, Llama / Qwen    | `vllm-mtp/` (vLLM with our plugin, serving/vllm_plugin: method   |
@@ -174,11 +174,14 @@ def _jobs(fmt: str, state: dict, target_dir: Path, target_config: dict, dtype: s
     embed = shared["model.embed_tokens.weight"]
     tensors = {**layout.to_export(state),
                **{k: shared.get(src, embed) for k, src in layout.target_tensors.items()}}
-    return [(NEXTN, layout, plain(layout, tensors), True)]
+    eagle = layouts.deepseek_eagle(target_config)  # what vLLM serves (method eagle), beside the NextN keys
+    return [(NEXTN, layout, plain(layout, tensors), True),
+            (layouts.DEEPSEEK_EAGLE, eagle, plain(eagle, eagle.to_export(state)), True)]
 
 
-def run(cfg: "RunConfig") -> list[Path]:
-    """Write the export directories of `cfg.export.format`; returns their paths."""
+def run(cfg: "RunConfig", root: Path | None = None) -> list[Path]:
+    """Write the export directories of `cfg.export.format` under `root` (default `run_dir/export`); returns
+    their paths."""
     import torch
     import yaml
 
@@ -223,7 +226,7 @@ def run(cfg: "RunConfig") -> list[Path]:
                       report=_read_json(report_path))
     jobs = []
     for name, layout, write, exact in _jobs(fmt, state, target_dir, target_config, dtype, head):
-        out = run_dir / "export" / name
+        out = (root or run_dir / "export") / name
         # the exporter's own version and layout tables too: a fixed layout is written again, not "up to date"
         made_by = {"layout": name, "exporter": __version__, "renames": layout.renames,
                    "target_tensors": layout.target_tensors, "config": layout.config}

@@ -175,9 +175,25 @@ SGLang's EAGLE `fc` always has a bias (zeros here when the head was trained with
         return _serving_eagle3(layout, out, c)
     if layout == "vllm-mtp":
         return _serving_vllm_mtp(out, c)
+    if layout == "deepseek-eagle":
+        return f"""**vLLM** (>= 0.32, `EagleDeepSeekMTPModel`, vLLM's own EAGLE head for DeepSeek targets:
+vllm/model_executor/models/deepseek_eagle.py): enorm, hnorm, `fc` (the head's eh_proj), one DeepSeek-V2
+decoder layer (`layers.0.*`, built by vLLM as layer {n}, after the target's), `norm` (the head's post_norm), whose output is
+both what the target's lm_head reads and the next draft step's hidden state. `config.json` sets
+`first_k_dense_replace: {n + 1}`, so vLLM builds layer {n} with the dense MLP the head has. The embedding and
+lm_head are the target's (this directory holds neither).
+
+```bash
+vllm serve {target} --speculative-config '{{"method": "eagle", "model": "{out}", "num_speculative_tokens": 3}}'
+```
+
+On CPUs, vLLM 0.32 decodes DeepSeek-V2 targets only through its reference MLA backend
+(`--attention-backend CPU_MLA`; the AMX one refuses fp32 weights), which does not decode them as transformers
+does (`make test-serving` records both)."""
     return f"""The NextN layout of DeepSeek-V3's MTP module (`model.layers.{n}.*`, `DeepSeekMTPModel`; this
-directory's `config.json` makes layer {n} dense, as the head is). **No serving engine we know of loads it as it
-stands**, which is why it is written but not the default advice:
+directory's `config.json` makes layer {n} dense, as the head is), kept for engines that read DeepSeek-V3's MTP
+keys. **To serve this head in vLLM, use `deepseek-eagle` beside this directory** (vLLM's `EagleDeepSeekMTPModel`,
+method `eagle`). No engine we know of loads this directory as it stands:
 
 - **vLLM** 0.32 (its CPU build, tried by `make test-serving`, which records the error):
   `--speculative-config '{{"method": "mtp", "model": "{out}", "num_speculative_tokens": 1}}'` is refused
@@ -189,7 +205,7 @@ stands**, which is why it is written but not the default advice:
   (python/sglang/srt/models/deepseek_v2.py, `_is_layer_sparse`), and **transformers** builds MTP layers
   of DeepSeek models as MoE too (`get_mtp_config` sets `first_k_dense_replace = 0`).
 
-This head's MLP is dense (DESIGN §3); an MoE head for DeepSeek targets is what would make it servable."""
+This head's MLP is dense (DESIGN §3); an MoE head for DeepSeek targets is what would make this layout servable."""
 
 
 def _serving_eagle3(layout: str, out: Path, c: CardInputs) -> str:

@@ -27,7 +27,7 @@ from mtp_train.files import write_atomic, write_json
 
 # export layout -> vLLM's speculative method for it
 METHODS = {"vllm-mtp": "eagle", "eagle-vllm": "eagle", "eagle3": "eagle3", "eagle3-speculators": "eagle3",
-           "deepseek-nextn": "mtp"}
+           "deepseek-eagle": "eagle", "deepseek-nextn": "mtp"}
 VLLM_RUN = Path(__file__).with_name("vllm_run.py")
 TOLERANCE = 0.03
 BEGIN, END = "<!-- engine-check -->", "<!-- /engine-check -->"
@@ -99,9 +99,9 @@ def cut(tokens: list[int], stop: list[int]) -> list[int]:
 
 
 def run_vllm(python: str, target: str, prompts: list[list[int]], out: Path, new_tokens: int, dtype: str,
-             spec: tuple[str, str, int] | None = None) -> dict:
-    """`vllm_run.py` with vLLM's Python; its JSON (with `error` when vLLM could not do it). vLLM's output goes
-    to `out` with `.log` for `.json`."""
+             spec: tuple[str, str, int] | None = None, options: tuple[str, ...] = (), timeout: float = 1800) -> dict:
+    """`vllm_run.py` with vLLM's Python (and its further `options`); its JSON (with `error` when vLLM could not
+    do it). vLLM's output goes to `out` with `.log` for `.json`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)  # never an earlier run's figures
     log = out.with_suffix(".log")
@@ -110,10 +110,10 @@ def run_vllm(python: str, target: str, prompts: list[list[int]], out: Path, new_
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     length = max(len(p) for p in prompts) + new_tokens + (spec[2] if spec else 0) + 8
     cmd = [python, str(VLLM_RUN), target, f.name, str(out), *(map(str, spec) if spec else ()),
-           "--max-tokens", str(new_tokens), "--dtype", dtype, "--max-model-len", str(max(1024, length))]
+           "--max-tokens", str(new_tokens), "--dtype", dtype, "--max-model-len", str(max(1024, length)), *options]
     try:
         with open(log, "w") as stream:
-            done = subprocess.run(cmd, env=env, stdout=stream, stderr=subprocess.STDOUT, timeout=1800)
+            done = subprocess.run(cmd, env=env, stdout=stream, stderr=subprocess.STDOUT, timeout=timeout)
     finally:
         os.unlink(f.name)
     if not out.is_file():

@@ -25,6 +25,14 @@ The key names follow the loaders' own code (read, not guessed):
   vLLM 0.32 itself does not serve such a directory beside a DeepSeek-V2 target (`make test-serving` records
   why: it reads MTP layers from the target's own checkpoint and config, and builds them MoE); the keys are
   those of DeepSeek-V3's checkpoints, which it and SGLang do load.
+* `deepseek-eagle` (`mtp` heads on DeepSeek targets, written beside `deepseek-nextn`): vLLM's own EAGLE head for
+  DeepSeek (vllm/model_executor/models/deepseek_eagle.py, architecture `EagleDeepSeekMTPModel`, method `eagle`):
+  `enorm`, `hnorm`, `fc` (our `eh_proj`), one `DeepseekV2DecoderLayer` under `layers.0.` (the index in its
+  module list; the layer itself is built with the prefix `layers.N`, N = the target's layer count), `norm` (our
+  `post_norm`), whose output is both what the shared lm_head reads and the next step's hidden state, as in our
+  drafter. `DeepseekV2DecoderLayer` builds an MoE MLP when `n_routed_experts` is set and N >=
+  `first_k_dense_replace`; this directory's config sets `first_k_dense_replace` to N + 1, so the layer is dense,
+  as the head is.
 * `vllm-mtp` (`mtp` heads on Llama / Qwen2 / Qwen3 targets): the head under its own names (`enorm`, `hnorm`,
   `eh_proj`, `mtp_block.*`, `post_norm`, and `d2t` with a draft vocabulary), read by our vLLM plugin
   (serving/vllm_plugin, `EagleMtpHeadForCausalLM`, speculative method `eagle`); `config.json` is the target's
@@ -39,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 HF_MTP, EAGLE, NEXTN, VLLM_MTP = "hf-mtp", "eagle", "deepseek-nextn", "vllm-mtp"
+DEEPSEEK_EAGLE = "deepseek-eagle"  # written by format=deepseek-nextn beside it
 VLLM_MTP_ARCH = "EagleMtpHeadForCausalLM"  # serving/vllm_plugin/mtp_train_vllm/__init__.py: ARCHITECTURE
 VLLM_MTP_FAMILIES = ("llama", "qwen2", "qwen3")  # the decoder layers the plugin builds
 MTP_PARTS = ("enorm", "hnorm", "eh_proj", "post_norm")
@@ -107,6 +116,15 @@ def nextn(target_config: dict) -> Layout:
     config = {"num_nextn_predict_layers": 1, "n_predict": 1, "first_k_dense_replace": n + 1,
               "architectures": ["DeepSeekMTPModel"]}
     return Layout(NEXTN, renames, shared, config)
+
+
+def deepseek_eagle(target_config: dict) -> Layout:
+    """vLLM's `EagleDeepSeekMTPModel` (deepseek_eagle.py): the head as an EAGLE draft of a DeepSeek target."""
+    n = target_config["num_hidden_layers"]
+    renames = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "fc.", "post_norm.": "norm.",
+               "mtp_block.": "layers.0."}  # its nn.ModuleList's index; the layer's own prefix (MoE or not) is N
+    config = {"architectures": ["EagleDeepSeekMTPModel"], "num_hidden_layers": 1, "first_k_dense_replace": n + 1}
+    return Layout(DEEPSEEK_EAGLE, renames, config=config)
 
 
 def vllm_mtp(target_config: dict, draft_vocab: int = 0) -> Layout:

@@ -4,10 +4,14 @@ torchvision torchaudio torchcodec); imports nothing of mtp_train, reads our expo
 
     python mtp_train/export/vllm_run.py TARGET PROMPTS.json OUT.json [METHOD DRAFT_DIR K] [--max-tokens 48]
         [--dtype float32] [--max-model-len 1024] [--temperature 0] [--seed 0] [--attention-backend NAME]
-        [--max-num-seqs N] [--draft-sample-method greedy|probabilistic]
+        [--max-num-seqs N] [--draft-sample-method greedy|probabilistic] [--tensor-parallel-size N]
+        [--temperatures T1 T2 ...]
 
 Writes to OUT.json vLLM's version, the output tokens, the seconds, vLLM's spec-decode counters and what they
-say: the verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. When vLLM fails
+say: the verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. With
+--temperatures, one vLLM start decodes the prompts once per temperature, and OUT.json also holds `runs`, one
+entry per temperature with the same fields (the counters' increase over that run); the top-level fields are the
+first run's. When vLLM fails
 to start or to decode, OUT.json holds `error` (the exception's type and message) and the exit code is 1; a bad
 command line or an unreadable PROMPTS.json writes nothing."""
 import argparse
@@ -16,14 +20,17 @@ import time
 import traceback
 
 
-def per_position(metrics: dict, k: int) -> tuple[int, list[int]]:
-    """(verification steps, accepted drafts at positions 1..k) from vLLM's spec-decode counters."""
+def per_position(metrics: dict, k: int, missing_ok: bool = False) -> tuple[int, list[int]]:
+    """(verification steps, accepted drafts at positions 1..k) from vLLM's spec-decode counters (zeros with
+    `missing_ok` before any step was counted)."""
     drafts = accepted = None
     for name, value in metrics.items():
         if name.endswith("spec_decode_num_drafts"):
             drafts = int(float(value if not isinstance(value, list) else value[0]))
         if name.endswith("spec_decode_num_accepted_tokens_per_pos"):
             accepted = [int(float(v)) for v in value]
+    if (drafts is None or accepted is None) and missing_ok:
+        return 0, [0] * k
     if drafts is None or accepted is None:
         raise RuntimeError(f"vLLM's metrics lack the spec-decode counters: {metrics}")
     return drafts, (accepted + [0] * k)[:k]
@@ -43,7 +50,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="vLLM's dtype: the one our engine ran the target in")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; otherwise sampled, seeded")
+    ap.add_argument("--temperatures", type=float, nargs="+",
+                    help="decode the prompts once per temperature in this one vLLM start (overrides --temperature)")
     ap.add_argument("--seed", type=int, default=0, help="the sampling seed of every request")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's tensor_parallel_size")
     ap.add_argument("--draft-sample-method", choices=("greedy", "probabilistic"),
                     help="how vLLM drafts when sampling (its default: greedy, the draft's argmax, accepted with the "
                          "target's probability); probabilistic: drafts sampled from the head, accepted with "
@@ -59,22 +69,43 @@ def main() -> None:
     if args.spec:
         spec = {"method": args.spec[0], "model": args.spec[1], "num_speculative_tokens": int(args.spec[2]),
                 **({"draft_sample_method": args.draft_sample_method} if args.draft_sample_method else {})}
-    result = {"spec": spec, "vllm_version": vllm.__version__, "temperature": args.temperature}
+    temperatures = args.temperatures or [args.temperature]
+    result = {"spec": spec, "vllm_version": vllm.__version__, "temperature": temperatures[0],
+              "tensor_parallel_size": args.tensor_parallel_size}
+    try:
+        from vllm.platforms import current_platform
+
+        result["device"] = current_platform.device_type
+    except Exception:  # noqa: BLE001 - only a label
+        pass
     try:
         llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
-                  speculative_config=spec, disable_log_stats=False,
+                  speculative_config=spec, disable_log_stats=False, tensor_parallel_size=args.tensor_parallel_size,
                   **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
                   **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=False,
-                                seed=args.seed if args.temperature > 0 else None)
-        t0 = time.perf_counter()
-        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-        result["seconds"] = time.perf_counter() - t0
-        result["tokens"] = [list(r.outputs[0].token_ids) for r in res]
-        result["metrics"] = {m.name: getattr(m, "values", None) or getattr(m, "value", None)
-                             for m in llm.get_metrics() if "spec_decode" in m.name}
-        if spec:
-            result["steps"], result["accepted_per_position"] = per_position(result["metrics"], int(args.spec[2]))
+        k = int(args.spec[2]) if spec else 0
+
+        def counters() -> dict:
+            return {m.name: getattr(m, "values", None) or getattr(m, "value", None)
+                    for m in llm.get_metrics() if "spec_decode" in m.name}
+
+        runs = []
+        for t in temperatures:
+            before = per_position(counters(), k, missing_ok=True) if spec else None
+            params = SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=False,
+                                    seed=args.seed if t > 0 else None)
+            t0 = time.perf_counter()
+            res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+            run = {"temperature": t, "seconds": time.perf_counter() - t0,
+                   "tokens": [list(r.outputs[0].token_ids) for r in res], "metrics": counters()}
+            if spec:
+                steps, accepted = per_position(run["metrics"], k)
+                run["steps"], run["accepted_per_position"] = steps - before[0], [
+                    a - b for a, b in zip(accepted, before[1])]
+            runs.append(run)
+        result.update({key: value for key, value in runs[0].items() if key != "temperature"})
+        if args.temperatures:
+            result["runs"] = runs
     except Exception as e:  # noqa: BLE001 - the caller reads why from the file
         traceback.print_exc()
         result["error"] = f"{type(e).__name__}: {' '.join(str(e).split())}"

@@ -238,7 +238,7 @@ def predict_speedup(target: ModelCost, head: ModelCost, device: DeviceProfile, b
             speculative_ms(target, head, device, batch, k, tau, context, bytes_per_param))
     if overhead is not None:
         plain += overhead.plain_ms
-        step += overhead.spec_ms(tree[0] if tree else k)
+        step += overhead.spec_ms(tree[0], tree[2]) if tree else overhead.spec_ms(k)
     return {"batch": batch, "k": k, "tree": list(tree) if tree else None, "tau": tau, "target_ms": plain,
             "step_ms": step, "tokens_per_s": batch * 1e3 / plain, "speculative_tokens_per_s": batch * tau * 1e3 / step,
             "speedup": tau * plain / step}
@@ -326,11 +326,24 @@ class StepOverhead:
     step_ms: float  # a speculative step with one draft (k = 1)
     per_draft_ms: float  # each further draft (a chain's k - 1 single steps, a tree's steps - 1 depths)
     steps_timed: int = 0
-    measured_ms: tuple[float, ...] = ()  # the median step itself at k = 0, 1, 2 (what a k = 1 step costs in
+    measured_ms: tuple[float, ...] = ()  # the median step itself at k = 0, 1, 2, ... (what a k = 1 step costs in
     # target steps: measured_ms[1] / measured_ms[0])
+    by_k: tuple[float, ...] = ()  # the overhead measured at each k = 0, 1, 2, ... timed (by_k[0] = plain_ms): a
+    # CPU's BLAS makes a verification of n tokens cost more than the roofline's one read of the weights once n
+    # passes 2-3 (benchmarks/RESULTS.md `step_cost`), which only a step timed at that k shows
 
-    def spec_ms(self, k: int) -> float:
-        return self.step_ms + self.per_draft_ms * (k - 1)
+    def spec_ms(self, k: int, verified: int | None = None) -> float:
+        """The overhead of a step with k drafts (a chain), or `verified` tokens checked per target forward with
+        k head steps (a tree): measured at the chain that verifies as many tokens, plus `per_draft_ms` for
+        each head step more or less than that chain has; extrapolated past the largest k timed."""
+        n = k if verified is None else verified - 1
+        if 0 < n < len(self.by_k):
+            base = self.by_k[n]
+        elif len(self.by_k) > 2:
+            base = self.by_k[-1] + self.per_draft_ms * (n - len(self.by_k) + 1)
+        else:
+            base = self.step_ms + self.per_draft_ms * (n - 1)
+        return base + self.per_draft_ms * (k - n)
 
 
 def _median(xs: list[float]) -> float:
@@ -359,9 +372,13 @@ def overhead_from_timings(timings: dict[int, list[tuple[float, int]]], target: M
                        for ms, c in rows]) for k, rows in timings.items() if rows}
     if 0 not in med or 1 not in med:
         raise ValueError("overhead_from_timings needs timed steps at k = 0 and k = 1")
+    timed = sorted(k for k in timings if timings[k])
+    if timed != list(range(len(timed))):
+        raise ValueError(f"overhead_from_timings needs timed steps at k = 0, 1, 2, ... without gaps; got {timed}")
     return StepOverhead(med[0], med[1], max(0.0, med[2] - med[1]) if 2 in med else 0.0,
                         sum(len(r) for r in timings.values()),
-                        tuple(_median([ms for ms, _ in timings[k]]) for k in sorted(timings) if timings[k]))
+                        tuple(_median([ms for ms, _ in timings[k]]) for k in timed),
+                        tuple(med[k] for k in timed))
 
 
 @torch.inference_mode()
@@ -387,11 +404,14 @@ def time_steps(target, drafter, prompts: list[list[int]], k: int, steps: int) ->
 
 
 def measure_overhead(target, drafter, prompts: list[list[int]], target_c: ModelCost, head_c: ModelCost,
-                     device: DeviceProfile, bytes_per_param: float, steps: int = 12, repeats: int = 3) -> StepOverhead:
-    """This engine's per-step overhead on `prompts` (one batch): `steps` timed steps at k = 0, 1, 2, `repeats`
-    times in turn (so a load change touches every k alike), after a warm-up."""
-    time_steps(target, drafter, prompts, 2, 2)
-    timings: dict[int, list[tuple[float, int]]] = {0: [], 1: [], 2: []}
+                     device: DeviceProfile, bytes_per_param: float, steps: int = 12, repeats: int = 3,
+                     max_k: int = 2) -> StepOverhead:
+    """This engine's per-step overhead on `prompts` (one batch): `steps` timed steps at each k = 0 .. max_k
+    (at least 2), `repeats` times in turn (so a load change touches every k alike), after a warm-up."""
+    max_k = max(2, max_k)
+    for k in range(1, max_k + 1):  # warm-up: first calls allocate (and probe the projections' forms) at every k
+        time_steps(target, drafter, prompts, k, 2)
+    timings: dict[int, list[tuple[float, int]]] = {k: [] for k in range(max_k + 1)}
     for _ in range(repeats):
         for k in timings:
             timings[k] += time_steps(target, drafter, prompts, k, steps)
@@ -436,8 +456,10 @@ def format_prediction(pred: dict) -> str:
         o = pred.get("overhead")
         if o:
             lines.append(f"  with the engine's per-step cost beyond the forwards, measured here ({o['steps_timed']} "
-                         f"steps): target alone {o['plain_ms']:+.1f} ms, k=1 {o['step_ms']:+.1f} ms, "
-                         f"{o['per_draft_ms']:+.1f} ms per further draft"
+                         f"steps): target alone {o['plain_ms']:+.1f} ms, "
+                         + (", ".join(f"k={k} {m:+.1f} ms" for k, m in enumerate(o["by_k"]) if k) + ", "
+                            if o.get("by_k") else f"k=1 {o['step_ms']:+.1f} ms, ")
+                         + f"{o['per_draft_ms']:+.1f} ms per further head step"
                          + (f"; a step takes {' / '.join(f'{m:.1f}' for m in o['measured_ms'])} ms at k = "
                             f"{' / '.join(str(k) for k in range(len(o['measured_ms'])))}" if o.get("measured_ms") else ""))
         for c in pred["checks"]:

@@ -43,20 +43,20 @@ def left_pad(rows: list[list[int]], pad: int = 0, device: torch.device | str = "
     return ids.to(device), valid.to(device)
 
 
-def _streamed_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    # contiguous, as nn.Linear's output is: `project` returns a transposed view for few rows, and some decoders
+def _projected_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # contiguous, as nn.Linear's output is: `project` may return a transposed view for few rows, and some decoders
     # view their projections' outputs in ways a non-contiguous tensor cannot take (DeepSeek-V2's rotary
     # embedding, `torch.view_as_complex`); a copy of a few rows
     return project(x, module.weight, module.bias).contiguous()
 
 
-def stream_projections(model: nn.Module) -> None:
+def route_projections(model: nn.Module) -> None:
     """Every `nn.Linear` of a decoder on a CPU computes through `project`: a verification forward (k + 1 rows)
-    then reads each weight once instead of packing it first, so verifying k drafts costs little more than a
-    one-token step. Same function, other summation order; prefills (many rows) keep BLAS's GEMM."""
+    then takes whichever form reads each weight fastest on this processor, so verifying k drafts costs little
+    more than a one-token step. Same function, other summation order; prefills (many rows) keep BLAS's GEMM."""
     for module in model.modules():
         if type(module) is nn.Linear:
-            module.forward = functools.partial(_streamed_linear, module)
+            module.forward = functools.partial(_projected_linear, module)
 
 
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -81,7 +81,7 @@ class CausalLMRunner:
         self.base = model.base_model  # the decoder: embeddings, layers, final norm
         self.lm_head = model.get_output_embeddings()
         if self.device.type == "cpu":
-            stream_projections(self.base)
+            route_projections(self.base)
         params = inspect.signature(self.base.forward).parameters  # transformers renamed past_key_values -> cache
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 

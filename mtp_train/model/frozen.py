@@ -8,6 +8,8 @@ checkpoint is sharded), never by loading the whole target: for a 70B target that
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -59,21 +61,73 @@ def read_tensors(path: str | Path, keys: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-FEW_ROWS = 16  # up to this many rows `project` streams the weight; past it (a prefill) BLAS's GEMM is right
+FEW_ROWS = 16  # up to this many rows a CPU projection may stream its weight; past it (a prefill) BLAS's GEMM is right
+PROJECTION_ENV = "MTP_TRAIN_PROJECTION"  # probe (default) | stream | gemm: pins the form of every few-row projection
+FORMS = ("stream", "gemm")
+PROBE_BYTES = 64 << 20  # the probe times this many bytes of weights per form, more than a core's L2 holds
+_chosen: dict[tuple[int, int, int, torch.dtype], str] = {}  # (out, in, rows, dtype) -> form, once per process
+
+
+def _stream(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (weight @ flat.T).T
+
+
+def _gemm(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(flat, weight)
+
+
+def probe_form(out_features: int, in_features: int, rows: int, dtype: torch.dtype, repeats: int = 5,
+               timer=time.perf_counter) -> tuple[str, dict[str, float]]:
+    """Which form computes `rows` rows of an [out, in] projection faster on this CPU: `(form, {form: fastest
+    seconds per weight})`. Both forms read copies of the weight that together exceed the L2 cache (decoding
+    streams every layer's weights from memory, not from cache), in turns, `repeats` times; the fastest turn of
+    each counts, as another process on the machine can only slow a turn down."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    copies = max(1, min(64, PROBE_BYTES // (out_features * in_features * elem)))
+    weights = [torch.full((out_features, in_features), 0.01, dtype=dtype) for _ in range(copies)]
+    x = torch.full((rows, in_features), 0.01, dtype=dtype)
+    times: dict[str, list[float]] = {f: [] for f in FORMS}
+    for _ in range(repeats):
+        for form, fn in (("stream", _stream), ("gemm", _gemm)):
+            start = timer()
+            for w in weights:
+                fn(x, w)
+            times[form].append((timer() - start) / copies)
+    fastest = {f: min(t) for f, t in times.items()}
+    return min(FORMS, key=lambda f: (fastest[f], f != "stream")), fastest
+
+
+def projection_form(out_features: int, in_features: int, rows: int, dtype: torch.dtype) -> str:
+    """The form `project` uses on a CPU for `rows` rows: one row is a matrix-vector product (`stream`) always,
+    so plain decoding keeps one summation order; 2 to FEW_ROWS rows take what `probe_form` measured faster on
+    this machine (once per shape, row count and dtype in a process), unless $MTP_TRAIN_PROJECTION pins it."""
+    pinned = os.environ.get(PROJECTION_ENV, "probe")
+    if pinned not in (*FORMS, "probe"):
+        raise ValueError(f"${PROJECTION_ENV}={pinned!r}: must be one of probe, {', '.join(FORMS)}")
+    if rows == 1:
+        return "stream"
+    if pinned != "probe":
+        return pinned
+    key = (out_features, in_features, rows, dtype)
+    if key not in _chosen:
+        _chosen[key] = probe_form(*key)[0]
+    return _chosen[key]
 
 
 def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`h @ weight.T (+ bias)` for the few rows decoding has ([..., H] -> [..., V]).
 
-    On a CPU, for up to FEW_ROWS rows, it is computed as `(weight @ h.T).T`: with 2 to 16 rows BLAS's
-    `h @ weight.T` first packs the whole weight (2-3.5x the time of reading it once at SmolLM2's lm_head,
-    benchmarks/lm_head_rows.py; the same holds for every projection of a decoder whose weights come from
-    memory, not cache), while `weight @ h.T` streams it once like a matrix-vector product. GPUs and longer
+    On a CPU, for up to FEW_ROWS rows, it takes the faster of two forms on this machine (`projection_form`):
+    `(weight @ h.T).T` streams the weight once like a matrix-vector product, while BLAS's `h @ weight.T` may
+    first pack the whole weight. Which wins depends on the processor: on the AMD EPYC machine packing made 2-16
+    rows 2-3.5x one row at SmolLM2's lm_head (benchmarks/lm_head_rows.py), on the Intel Xeon one the streamed
+    form made 2 rows 2.6-3x one row and BLAS's 1.03x (benchmarks/RESULTS.md `step_cost`). GPUs and longer
     inputs get the plain form."""
     flat = h.reshape(-1, h.shape[-1])
     if h.device.type != "cpu" or flat.shape[0] > FEW_ROWS:
         return torch.nn.functional.linear(h, weight, bias)
-    out = (weight @ flat.T).T.reshape(*h.shape[:-1], weight.shape[0])
+    form = projection_form(weight.shape[0], weight.shape[1], flat.shape[0], weight.dtype)
+    out = (_stream if form == "stream" else _gemm)(flat, weight).reshape(*h.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 

