@@ -84,7 +84,7 @@ def _options(cfg: "RunConfig", temperatures: list[float], sampled: bool) -> tupl
 def _checked(result: dict, what: str, out: Path) -> dict:
     if "error" in result:
         raise VllmFailed(f"validate.engine=vllm: vLLM could not decode {what}: {result['error']} (log: "
-                           f"{out.with_suffix('.log')})")
+                         f"{out.with_suffix('.log')})")
     return result
 
 
@@ -97,6 +97,7 @@ def decode_set(cfg: "RunConfig", name: str, prompts: list[list[int]], export_dir
     temps = list(v.temperatures)
     work = Path(cfg.run_dir) / "validation" / "vllm" / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
     dtype = cfg.target.dtype
+
     def run(out: Path, spec: tuple | None = None) -> dict:
         try:
             result = run_vllm(python, cfg.target.path, prompts, out, v.max_new_tokens, dtype, spec,
