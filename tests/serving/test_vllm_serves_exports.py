@@ -110,7 +110,9 @@ def test_vllm_serves_the_export_greedy_identical_and_drafts_as_we_do(case):
     spec = vllm(case, c, c["method"], c["draft"], str(c["k"]))
     if "error" in spec:
         record(case, {"method": c["method"], "draft": c["draft"], "k": c["k"], "vllm_error": spec["error"]})
-        if case in EXPECTED_FAILURES and EXPECTED_FAILURES[case][0] in spec["error"]:
+        log = DIR / f"vllm-{case}.log"  # vLLM's engine reports its root cause in the log, not the exception
+        said = spec["error"] + (log.read_text(errors="replace") if log.is_file() else "")
+        if case in EXPECTED_FAILURES and EXPECTED_FAILURES[case][0] in said:
             pytest.xfail(f"{EXPECTED_FAILURES[case][1]} (vLLM: {spec['error'][:300]})")
         pytest.fail(f"vLLM could not serve {c['draft']}: {spec['error']} (log: {DIR / f'vllm-{case}.log'})")
     identical = sum(a == b for a, b in zip(spec["tokens"], base["tokens"]))
@@ -157,7 +159,7 @@ def rates(run: dict) -> list[float]:
 SAMPLED_TOLERANCE = 0.15  # seeded sampling differs between the engines: ~0.05 of binomial noise per side here
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "sampled" in CASES[c]["ours"]])
+@pytest.mark.parametrize("case", [c for c in CASES if "sampled" in CASES[c]["ours"] and "mutation" not in CASES[c]])
 def test_vllm_serves_the_export_sampled(case):
     """T = 1 with the head: vLLM decodes every prompt, and its acceptance by position is ours at T = 1 up to
     sampling noise (the two engines draw other random numbers, so the figures are not equal). vLLM drafts as
@@ -174,7 +176,7 @@ def test_vllm_serves_the_export_sampled(case):
                                "seconds": run["seconds"]})
     assert len(run["tokens"]) == len(c["prompts"]) and all(run["tokens"])
     close = all(abs(a - b) <= SAMPLED_TOLERANCE for a, b in zip(theirs, ours))
-    if not close and not cpu_expands_float_tensors():
+    if not cpu_expands_float_tensors():  # vLLM's sampled figures mean nothing then, close to ours or not
         pytest.xfail(f"vLLM 0.32's CPU build keeps almost no drafts when sampling at T = {t:g} (vLLM {theirs}, ours "
                      f"{ours}), for every speculative method: {EXPAND_BUG} (test_vllm_cpu_expands_per_request_"
                      "temperatures)")
