@@ -261,6 +261,33 @@ def _stats_fields(s) -> dict:
             "drafted": s.drafted, "accepted": s.accepted, "new_tokens": s.new_tokens}
 
 
+def decoding_row(drafter: str, k: int, temperature: float, s, tokens: list[list[int]],
+                 base_tokens: list[list[int]]) -> dict:
+    """A report row of one drafter, k and temperature from its DecodeStats `s`, the tokens it decoded and the
+    target alone's at the same temperature (greedy identity is checked at T = 0 only)."""
+    greedy = temperature == 0
+    return {"drafter": drafter, "k": k, "temperature": temperature, **_stats_fields(s),
+            "tokens_per_s": s.tokens_per_s, "greedy_identical": tokens == base_tokens if greedy else None,
+            "greedy_identical_prompts": sum(a == b for a, b in zip(tokens, base_tokens)) if greedy else None,
+            "num_prompts": len(tokens), "target_forwards": s.steps,
+            "verified_per_forward": s.verified / s.steps if s.steps else None}
+
+
+def target_only_summary(temperature: float, rounds: list[float], new_tokens: int) -> dict:
+    """The target alone at one temperature: the mean of its timing rounds and their spread."""
+    mean = sum(rounds) / len(rounds)
+    return {"temperature": temperature, "tokens_per_s": mean, "rounds": rounds,
+            "spread": (max(rounds) - min(rounds)) / mean, "new_tokens": new_tokens}
+
+
+def decoding_settings(cfg: "RunConfig", source: str, prompts: list[list[int]]) -> dict:
+    """What a prompt set was decoded with, whichever engine decodes it."""
+    v = cfg.validate
+    return {"prompts": source, "num_prompts": len(prompts), "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
+            "max_new_tokens": v.max_new_tokens, "batch_size": v.batch_size, "temperatures": list(v.temperatures),
+            "dtype": cfg.target.dtype, "machine": platform.machine(), "processor": processor_name()}
+
+
 def decoding(cfg: "RunConfig", target: CausalLMRunner, drafters: dict[str, Drafter], prompts: list[list[int]],
              stop: set[int], say=print, categories: list[str | None] | None = None,
              predict=None) -> tuple[list[dict], list[dict], list[dict]]:
@@ -300,12 +327,7 @@ def decoding(cfg: "RunConfig", target: CausalLMRunner, drafters: dict[str, Draft
             base_tokens = baselines[t]["tokens"]
             for k, tree in settings:
                 tokens, s, by_cat = decode(drafter, k, SamplingConfig(temperature=t), tree)
-                e = {"drafter": name, "k": k, "temperature": t, **_stats_fields(s), "tokens_per_s": s.tokens_per_s,
-                     "greedy_identical": tokens == base_tokens if t == 0 else None,
-                     "greedy_identical_prompts": sum(a == b for a, b in zip(tokens, base_tokens)) if t == 0
-                     else None,
-                     "num_prompts": len(prompts), "target_forwards": s.steps,
-                     "verified_per_forward": s.verified / s.steps if s.steps else None}
+                e = decoding_row(name, k, t, s, tokens, base_tokens)
                 if categories is not None:
                     e["by_category"] = {c: {"prompts": categories.count(c), **_stats_fields(cs)}
                                         for c, cs in by_cat.items()}
@@ -336,12 +358,7 @@ def decoding(cfg: "RunConfig", target: CausalLMRunner, drafters: dict[str, Draft
                 e["suspect"] = reason is not None
                 if reason:
                     e["suspect_reason"] = reason + (f" (timed {e['retimed'] + 1} times)" if e["retimed"] else "")
-    out = []
-    for b in baselines.values():
-        r = b["rounds"]
-        mean = sum(r) / len(r)
-        out.append({"temperature": b["temperature"], "tokens_per_s": mean, "rounds": r,
-                    "spread": (max(r) - min(r)) / mean, "new_tokens": b["new_tokens"]})
+    out = [target_only_summary(b["temperature"], b["rounds"], b["new_tokens"]) for b in baselines.values()]
     return entries, tree_entries, out
 
 
@@ -625,11 +642,7 @@ def run(cfg: "RunConfig") -> dict:
         for spec, set_prompts, _, source in sets:
             print(f"validate: prompt set {spec}: {source}")
             entries, baselines, engine = decode_set(cfg, spec, set_prompts, export_dir, method, python)
-            settings = {"prompts": source, "num_prompts": len(set_prompts),
-                        "mean_prompt_tokens": sum(map(len, set_prompts)) / len(set_prompts),
-                        "max_new_tokens": v.max_new_tokens, "batch_size": v.batch_size,
-                        "temperatures": list(v.temperatures), "dtype": cfg.target.dtype,
-                        "machine": platform.machine(), "processor": processor_name(), **engine}
+            settings = {**decoding_settings(cfg, source, set_prompts), **engine}
             sections.append({"name": spec, "decoding": entries, "tree_decoding": [], "target_only": baselines,
                              "decoding_settings": settings})
         report.update({key: sections[0].get(key) for key in ("name", "decoding", "tree_decoding", "target_only",
@@ -646,12 +659,8 @@ def run(cfg: "RunConfig") -> dict:
         sections = []
         for spec, set_prompts, categories, source in sets:
             print(f"validate: prompt set {spec}: {source}")
-            settings = {
-                "prompts": source,
-                "num_prompts": len(set_prompts), "mean_prompt_tokens": sum(map(len, set_prompts)) / len(set_prompts),
-                "max_new_tokens": v.max_new_tokens, "batch_size": v.batch_size, "temperatures": list(v.temperatures),
-                "device": str(target.device), "dtype": cfg.target.dtype, "torch_threads": torch.get_num_threads(),
-                "machine": platform.machine(), "processor": processor_name()}
+            settings = {**decoding_settings(cfg, source, set_prompts), "device": str(target.device),
+                        "torch_threads": torch.get_num_threads()}
             context = settings["mean_prompt_tokens"] + v.max_new_tokens / 2
             entries, tree_entries, baselines = decoding(
                 cfg, target, drafters, set_prompts, stop, categories=categories,

@@ -91,7 +91,8 @@ def _checked(result: dict, what: str, out: Path) -> dict:
 def decode_set(cfg: "RunConfig", name: str, prompts: list[list[int]], export_dir: Path, method: str,
                python: str, say=print) -> tuple[list[dict], list[dict], dict]:
     """One prompt set through vLLM -> (chain entries per k and temperature, target-only baselines, settings)."""
-    from mtp_train.validate import _speeds, outlier
+    from mtp_train.inference import DecodeStats
+    from mtp_train.validate import _speeds, decoding_row, outlier, target_only_summary
 
     v = cfg.validate
     temps = list(v.temperatures)
@@ -120,15 +121,10 @@ def decode_set(cfg: "RunConfig", name: str, prompts: list[list[int]], export_dir
     for k, result in specs.items():
         for r in result["runs"]:
             t, steps, accepted = r["temperature"], r["steps"], r["accepted_per_position"]
-            base = before[t]["tokens"]
-            same = sum(a == b for a, b in zip(r["tokens"], base))
-            e = {"drafter": "head", "engine": "vllm", "k": k, "temperature": t,
-                 "tau": 1 + sum(accepted) / steps if steps else float("nan"),
-                 "acceptance_by_position": [a / steps if steps else float("nan") for a in accepted],
-                 "steps": steps, "drafted": [steps] * k, "accepted": accepted,
-                 "new_tokens": sum(map(len, r["tokens"])), "greedy_identical": same == len(base) if t == 0 else None,
-                 "greedy_identical_prompts": same if t == 0 else None, "num_prompts": len(prompts),
-                 "target_forwards": steps, "verified_per_forward": k}
+            # vLLM's counters as our stats: every step drafted k tokens and the target verified them
+            s = DecodeStats(k, steps, [steps] * k, accepted, steps + sum(accepted), sum(map(len, r["tokens"])),
+                            r["seconds"], steps * k)
+            e = {**decoding_row("head", k, t, s, r["tokens"], before[t]["tokens"]), "engine": "vllm"}
             _speeds(e, tps(r), tps(before[t]), tps(after[t]))
             e["predicted_speedup"], e["retimed"], e["earlier_timings"] = None, 0, []
             reason = outlier(e, None)
@@ -137,13 +133,8 @@ def decode_set(cfg: "RunConfig", name: str, prompts: list[list[int]], export_dir
                 e["suspect_reason"] = reason + " (not timed again: each timing is a vLLM start)"
             entries.append(e)
             say(f"validate: vLLM head T={t:g} k={k}: tau {e['tau']:.2f}, {e['tokens_per_s']:.1f} tokens/s")
-    baselines = []
-    for t in temps:
-        rounds = [tps(before[t]), tps(after[t])]
-        mean = sum(rounds) / 2
-        baselines.append({"temperature": t, "tokens_per_s": mean, "rounds": rounds,
-                          "spread": (max(rounds) - min(rounds)) / mean,
-                          "new_tokens": sum(map(len, before[t]["tokens"]))})
+    baselines = [target_only_summary(t, [tps(before[t]), tps(after[t])], sum(map(len, before[t]["tokens"])))
+                 for t in temps]
     settings = {"engine": "vllm", "vllm_version": first.get("vllm_version"), "vllm_python": python,
                 "tensor_parallel_size": v.tensor_parallel_size, "layout": export_dir.name, "method": method,
                 "draft_sample_method": "probabilistic" if any(t > 0 for t in temps) else None,
