@@ -46,12 +46,18 @@ def test_layout_for_a_llama_3_1_8b_shaped_target():
                                                                                           "t2d": (128256,)}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v2"])
-def test_unrolled_equals_stepwise_drafter(family):
+NORMS = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
+
+
+@pytest.mark.parametrize("family, options", [("llama", {}), ("qwen3", {}), ("deepseek_v2", {}), ("llama", NORMS)],
+                         ids=["llama", "qwen3", "deepseek_v2", "llama-norms"])
+def test_unrolled_equals_stepwise_drafter(family, options):
     """The training-time test at depth 3: for every anchor and depth, the unrolled forward's output equals
-    what the drafter computes step by step with its KV cache (the chain fed the layer's pre-norm output)."""
+    what the drafter computes step by step with its KV cache (the chain fed the layer's pre-norm output, or
+    with `norm_output` its normalised output; the three norm options together)."""
     torch.manual_seed(1)
-    head = DraftHead(CONFIGS[family], HeadConfig(variant="eagle3", draft_vocab=50, aux_layers=[0, 1])).eval()
+    head = DraftHead(CONFIGS[family], HeadConfig(variant="eagle3", draft_vocab=50, aux_layers=[0, 1],
+                                                 **options)).eval()
     assert head.fc.in_features == 2 * H and head.layer.self_attn.q_proj.in_features == 2 * H
     embed = torch.nn.Embedding(101, H)
     W = torch.randn(50, H)
@@ -112,7 +118,7 @@ def test_settings_it_refuses(tiny_dir):
 
 def test_norm_before_fc_makes_the_fused_input_scale_free(tiny_dir):
     """`input_norm` over the concatenated features: a token's features scaled by any factor (SmolLM2's massive
-    activations differ by orders of magnitude between tokens) fuse to the same g; the export refuses it for now."""
+    activations differ by orders of magnitude between tokens) fuse to the same g."""
     config = AutoConfig.from_pretrained(tiny_dir / "target")
     torch.manual_seed(0)
     head = DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=AUX, norm_before_fc=True))
@@ -121,10 +127,55 @@ def test_norm_before_fc_makes_the_fused_input_scale_free(tiny_dir):
     torch.testing.assert_close(head.fuse(x * scale), head.fuse(x), atol=1e-4, rtol=1e-4)
     plain = DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=AUX))
     assert "input_norm.weight" in head.state_dict() and "input_norm.weight" not in plain.state_dict()
-    from mtp_train.export.eagle3 import configs
 
-    with pytest.raises(ValueError, match="head.norm_before_fc=true is not exported yet"):
-        configs(head, config.to_dict(), str(tiny_dir / "target"), "float32")
+
+@pytest.mark.parametrize("options", [{"norm_before_fc": True}, {"norm_before_residual": True}, {"norm_output": True},
+                                     {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}])
+def test_the_norm_options_export_for_vllm_only(tiny_dir, tmp_path, options):
+    """A head with any norm option: both directories state it (vLLM reads `norm_before_fc` at the top level
+    and in `eagle_config`, `input_norm.weight` beside fc), vLLM's reading gives the head's logits exactly at the
+    first and the second chained step, SGLang (which has none of the options) is left out of the engines, and a
+    config that drops the option is caught."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from mtp_train.export import eagle3
+
+    config = AutoConfig.from_pretrained(tiny_dir / "target")
+    torch.manual_seed(0)
+    head = DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=AUX, **options)).eval()
+    with torch.no_grad():  # not the init's ones: a reading that skips a norm's weight must differ
+        for n, p in head.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    state = head.state_dict()
+    made = eagle3.configs(head, config.to_dict(), str(tiny_dir / "target"), "float32")
+    for name in (eagle3.EAGLE3, eagle3.EAGLE3_SPECULATORS):
+        out = tmp_path / name
+        out.mkdir()
+        eagle3.write(out, name, state, made[name], torch.float32)
+        written = json.loads((out / "config.json").read_text())
+        assert eagle3.norms(written) == {"norm_before_residual": False, "norm_before_fc": False, "norm_output": False,
+                                         **options}
+        assert eagle3.engines(name, written) == ("vllm",)
+        assert ("input_norm.weight" in load_file(str(out / "model.safetensors"))) == bool(options.get("norm_before_fc"))
+        eagle3.check_engine_round_trip(head, out, name, config)
+        for key in options:  # the option left out of config.json: vLLM reads another head
+            bad = {k: v for k, v in written.items() if k != key}
+            bad["eagle_config"] = {k: v for k, v in (written.get("eagle_config") or {}).items() if k != key} or None
+            if name == eagle3.EAGLE3_SPECULATORS and key == "norm_before_residual":
+                bad[key] = False  # the speculators path reads an absent norm_before_residual as true
+            (out / "config.json").write_text(json.dumps({k: v for k, v in bad.items() if v is not None}))
+            with pytest.raises(ValueError, match=rf"the {name} export in {out}"):
+                eagle3.check_engine_round_trip(head, out, name, config)
+            (out / "config.json").write_text(json.dumps(written))
+    # why SGLang is left out: its reading of the native directory (no norm options) drafts from other logits
+    g = torch.Generator().manual_seed(0)
+    hidden, embeds = list(torch.randn(config.num_hidden_layers + 1, 8, 256, generator=g)), torch.randn(8, 256, generator=g)
+    sglang = eagle3.read_engine(tmp_path / eagle3.EAGLE3, "sglang", config)
+    assert not torch.allclose(eagle3.engine_logits(sglang.float(), hidden, embeds),
+                              eagle3.engine_logits(head, hidden, embeds))
 
 
 def test_training_depth_defaults_to_the_variants(tmp_path):

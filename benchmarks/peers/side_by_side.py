@@ -1,8 +1,10 @@
 """Our EAGLE-3 trainer against speculators' and SpecForge's on the same samples, with matched settings, each head
 judged by vLLM on the recipe's held-out prompts; and each trainer's tokens/s at the same shapes.
 
-    python benchmarks/peers/side_by_side.py --base runs/smol-e3 --steps 50 --micro-batch 8 --depth 3 \\
-        [--lr 2e-3] [--warmup 5] [--ks 3 5] [--prompts 8] [--new-tokens 64] [--ours-extra head.norm_before_residual=true]
+    python benchmarks/peers/side_by_side.py --base runs/smol-e3sd --steps 150 --micro-batch 8 --depth 3 \\
+        [--lr 2e-3] [--warmup 20] [--ks 3 5] [--prompts 8] [--new-tokens 64] \\
+        [--variants norms=head.norm_before_residual=true,head.norm_before_fc=true] [--peer-norms] \\
+        [--judge mtp=eagle:runs/smollm2-135m/export/vllm-mtp] [--reuse]
 
 `--base`: a prepared and precomputed run of `--recipe` (default smollm2-135m) with an eagle3 head whose store also
 holds layer L (the last layer's output before the final norm: `store.layers=[30]` for SmolLM2). Steps:
@@ -15,6 +17,13 @@ holds layer L (the last layer's output before the final norm: `store.layers=[30]
 3. vLLM (`.venv-vllm`, method eagle3) serves each head on the val prompts, greedy, at each k: output compared
    with vLLM's target-only output, acceptance by position and τ from vLLM's counters; our engine on our export.
 
+`--variants NAME=OVERRIDES` trains further heads of ours (comma-separated overrides on top of the matched ones);
+`--peer-norms` also trains speculators with its three norm options on (`--norm-before-residual --norm-before-fc
+--norm-output`, its defaults), the peers' side of a head of ours with the norms (SpecForge's EAGLE-3 layer has
+none of them); `--judge NAME=METHOD:DIR` has vLLM serve an export already made (the recipe's `vllm-mtp` head,
+through our plugin, method eagle); `--reuse` keeps a head already trained in `--work` (its record and export)
+instead of training it again.
+
 Writes benchmarks/results/peers-side_by_side.json and prints the tables. Tokens/s: real (unpadded) tokens of
 steps 2..N over their wall time (the first step compiles or warms up), torch threads = 2.
 """
@@ -23,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -40,7 +51,10 @@ from timing import command, machine  # noqa: E402
 
 SETTINGS_NOT_MATCHED = [
     "speculators packs samples into rows of --total-seq-len tokens (no batch size): set to micro_batch x the mean "
-    "train length, so tokens per step match on average, not per step",
+    "train length; it does not split samples, so its rows hold fewer real tokens (SmolLM2: 2,281 a step against "
+    "our 2,482 on average; 8% fewer tokens over the run)",
+    "speculators runs every one of --epochs, one step each past --max-steps: given exactly the epochs that hold "
+    "the steps, and its last epoch's checkpoint (at --max-steps) is served, not its checkpoint_best",
     "sample order: each trainer shuffles with its own generator (ours length-buckets)",
     "out-of-draft-vocabulary targets: ours and SpecForge give no loss to positions whose target argmax is outside "
     "the draft vocabulary; speculators trains them on the target renormalised over the draft vocabulary",
@@ -51,7 +65,22 @@ SETTINGS_NOT_MATCHED = [
 ]
 
 
-def ours(args, cfg_overrides: list[str], name: str, work: Path) -> dict:
+def common_overrides(layers: int, extra: list[str] = ()) -> list[str]:
+    """Our eagle3 run on the base store (which also holds layer `layers`, the pre-norm final state)."""
+    return ["head.variant=eagle3", f"store.layers=[{layers}]", "train.loss.w_feat=0", "target.device=cpu", *extra]
+
+
+def matched_overrides(common: list[str], args) -> list[str]:
+    """Our trainer's settings matched to what both peers are given (the module docstring)."""
+    return [*common, f"train.steps={args.steps}", f"train.micro_batch={args.micro_batch}",
+            f"train.depth={args.depth}", f"train.lr={args.lr}", f"train.warmup_steps={args.warmup}",
+            "train.min_lr_ratio=0", "train.betas=[0.9,0.999]", "train.weight_decay=0", "train.max_grad_norm=1.0",
+            "train.loss.gamma=0.8", f"train.seed={args.seed}"]
+
+
+def ours(args, cfg_overrides: list[str], name: str, work: Path, timing_only: bool = False) -> dict:
+    """Our head trained with `cfg_overrides` in work/name, its teacher-forced figures, its export and its
+    tokens/s; with `timing_only`, trained and timed only."""
     from ablation_heads import link_base, train_fresh
     from mtp_train.config import compose
     from mtp_train.export import run as export
@@ -60,20 +89,59 @@ def ours(args, cfg_overrides: list[str], name: str, work: Path) -> dict:
     link_base(run_dir, args.base)
     cfg = compose(args.recipe, [f"run_dir={run_dir}", *cfg_overrides, "train.log_every=1", "train.eval_every=0",
                                    "train.save_every=0", "train.keep_checkpoints=1", "resume=false",
-                                   "export.format=eagle3", "export.dtype=fp32"])
+                                   "export.format=eagle3", "export.dtype=fp32", "validate.val_samples=48"])
     import shutil
 
-    shutil.rmtree(run_dir / "export", ignore_errors=True)
-    train_fresh(cfg)
+    done = run_dir / "trained.json"
+    if timing_only:
+        train_fresh(cfg)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "train/tokens" in r]
+        return {"speed": speed([r["time"] for r in rows], [r["train/tokens"] for r in rows])}
+    if not (args.reuse and done.is_file() and json.loads(done.read_text()) == cfg_overrides):
+        shutil.rmtree(run_dir / "export", ignore_errors=True)
+        done.unlink(missing_ok=True)
+        trainer, _ = train_fresh(cfg)
+        from mtp_train.validate import teacher_forced
+
+        tf = teacher_forced(cfg, trainer.head.eval(), trainer.frozen, trainer.device, args.depth + 2)
+        (run_dir / "teacher_forced.json").write_text(json.dumps(
+            {"accuracy_by_depth": tf["accuracy_by_depth"], "expected_acceptance_by_depth":
+             tf["expected_acceptance_by_depth"]}) + "\n")
+        del trainer
+        done.write_text(json.dumps(cfg_overrides))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/tokens" in r]
     try:
-        export(cfg)
+        if not (run_dir / "export" / "eagle3" / "config.json").is_file():
+            export(cfg)
         exported, why = run_dir / "export" / "eagle3", None
     except ValueError as e:  # a head setting no layout holds yet: trained and timed, not served
         exported, why = None, str(e)
-    return {"cfg": cfg, "export": exported, "not_exported": why,
+    return {"cfg": cfg, "export": exported, "not_exported": why, "overrides": cfg_overrides,
+            "teacher_forced": json.loads((run_dir / "teacher_forced.json").read_text()),
             "speed": speed([r["time"] for r in rows], [r["train/tokens"] for r in rows])}
+
+
+def peer_teacher_forced(export: Path, cfg, depth: int) -> dict:
+    """A peer's head read as vLLM reads it (`read_engine`; its copy of the target's embedding left unread: the
+    evaluation embeds with the target's), teacher-forced on our val store exactly as our heads are."""
+    out = export.parent / f"{export.name}-teacher_forced.json"
+    if out.is_file() and out.stat().st_mtime > (export / "model.safetensors").stat().st_mtime:
+        return json.loads(out.read_text())
+    from transformers import AutoConfig
+
+    from mtp_train.export.eagle3 import read_engine
+    from mtp_train.model.frozen import FrozenTarget
+    from mtp_train.validate import teacher_forced
+
+    head = read_engine(export, "vllm", AutoConfig.from_pretrained(cfg.target.path), drop=("embed_tokens.",)).float()
+    frozen = FrozenTarget.from_pretrained(cfg.target.path, dtype=torch.float32, device="cpu")
+    tf = teacher_forced(cfg, head, frozen, torch.device("cpu"), depth)
+    got = {"accuracy_by_depth": tf["accuracy_by_depth"],
+           "expected_acceptance_by_depth": tf["expected_acceptance_by_depth"]}
+    out.write_text(json.dumps(got) + "\n")
+    return got
 
 
 def speed(ends: list[float], tokens: list[int]) -> dict:
@@ -84,10 +152,13 @@ def speed(ends: list[float], tokens: list[int]) -> dict:
             "tokens_per_step": sum(tokens) / len(tokens), "first_step_s": None}
 
 
-def speculators(args, peers: dict, work: Path) -> dict:
-    out = work / "speculators"
+def speculators(args, peers: dict, work: Path, name: str = "speculators", norms: bool = False) -> dict:
+    out = work / name
     record = out / "record.json"
     seq = int(round(args.micro_batch * peers["mean_train_length"]))
+    # speculators runs every one of --epochs, one step each past --max-steps (its loop checks max_steps after a
+    # step): exactly the epochs that hold the steps, so its last checkpoint is the one at --max-steps
+    epochs = math.ceil(args.steps * seq / peers["tokens"]["train"])
     cmd = [str(ROOT / ".venv-speculators" / "bin" / "python"), str(HERE / "run_speculators.py"), "--record",
            str(record), "--", "--verifier-name-or-path", peers["target"], "--data-path", peers["speculators"]["dir"],
            "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
@@ -97,27 +168,41 @@ def speculators(args, peers: dict, work: Path) -> dict:
            "--total-seq-len", str(seq), "--optimizer", "adamw", "--weight-decay", "0", "--lr", str(args.lr),
            "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(args.warmup),
            "--scheduler-total-steps", str(args.steps), "--ttt-steps", str(args.depth), "--ttt-step-loss-decay", "0.8",
-           "--loss-fn", "kl_div", "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
-           "--max-steps", str(args.steps), "--epochs", "100", "--num-workers", "0", "--seed", str(args.seed),
+           "--loss-fn", "kl_div",
+           *(["--norm-before-residual", "--norm-before-fc", "--norm-output"] if norms
+             else ["--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"]),
+           "--max-steps", str(args.steps), "--epochs", str(epochs), "--num-workers", "0", "--seed", str(args.seed),
            "--train-data-ratio", str(peers["train_data_ratio"]), "--mask-token-id", str(args.mask_token_id),
            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
-    run(cmd, out / "log.txt")
+    if not (args.reuse and record.is_file() and json.loads(record.read_text()).get("argv") == cmd[5:]):
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # it resumes from checkpoints it finds
+        run(cmd, out / "log.txt")
     rec = json.loads(record.read_text())
-    return {"export": out / "checkpoints" / "checkpoint_best", "speed": speed(rec["step_end_s"], rec["step_tokens"]),
-            "adjustments": rec["adjustments"], "total_seq_len": seq}
+    if len(rec["step_end_s"]) != args.steps:
+        raise RuntimeError(f"speculators made {len(rec['step_end_s'])} optimizer steps, not {args.steps}: see "
+                           f"{out / 'log.txt'}")
+    # its last epoch's checkpoint (the one at --max-steps), not checkpoint_best (chosen on the held-out split)
+    export = max((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    return {"export": export, "speed": speed(rec["step_end_s"], rec["step_tokens"]),
+            "adjustments": rec["adjustments"], "total_seq_len": seq, "norms": norms}
 
 
-def specforge(args, peers_json: Path, work: Path) -> dict:
-    out = work / "specforge"
+def specforge(args, peers_json: Path, work: Path, name: str = "specforge") -> dict:
+    out = work / name
     record = out / "record.json"
     cmd = [str(ROOT / ".venv-specforge" / "bin" / "python"), str(HERE / "run_specforge.py"), "--peers",
            str(peers_json), "--work", str(out), "--record", str(record), "--steps", str(args.steps),
            "--epochs", "100", "--batch", str(args.micro_batch), "--lr", str(args.lr), "--warmup-steps",
            str(args.warmup), "--ttt", str(args.depth), "--max-grad-norm", "1.0", "--seed", str(args.seed)]
-    run(cmd, out / "log.txt")
+    export = out / "export-hf"
+    stamp = out / "command.json"
+    if not (args.reuse and record.is_file() and (export / "config.json").is_file() and stamp.is_file()
+            and json.loads(stamp.read_text()) == cmd):
+        run(cmd, out / "log.txt")
+        stamp.write_text(json.dumps(cmd))
     rec = json.loads(record.read_text())
-    return {"export": out / "export-hf", "speed": speed(rec["step_end_s"], rec["step_tokens"]),
-            "adjustments": rec["adjustments"]}
+    return {"export": export, "speed": speed(rec["step_end_s"], rec["step_tokens"]),
+            "adjustments": rec["adjustments"], "norms": False}
 
 
 def run(cmd: list[str], log: Path) -> None:
@@ -148,7 +233,7 @@ def judge(args, heads: dict, cfg, work: Path) -> dict:
             continue
         for k in args.ks:
             spec = run_vllm(python, target, prompts, work / "vllm" / f"{name}-k{k}.json", args.new_tokens, "float32",
-                            ("eagle3", str(head["export"]), k))
+                            (head.get("method", "eagle3"), str(head["export"]), k))
             entry = {"head": name, "k": k, "error": spec.get("error")}
             if "error" not in spec:
                 steps = spec["steps"]
@@ -187,7 +272,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--mask-token-id", type=int, default=2, help="the mask token speculators' CLI requires (its EAGLE-3 "
                                                                  "model does not use it)")
-    ap.add_argument("--ours-extra", nargs="*", default=[], help="overrides for a second head of ours (e.g. the fix)")
+    ap.add_argument("--variants", nargs="*", default=[], help="further heads of ours: NAME=OVERRIDE,OVERRIDE,...")
+    ap.add_argument("--peer-norms", action="store_true", help="also the peers with their norm options on")
+    ap.add_argument("--judge", nargs="*", default=[], help="exports already made, served too: NAME=METHOD:DIR")
+    ap.add_argument("--reuse", action="store_true", help="keep heads already trained in --work with these settings")
     ap.add_argument("--only", nargs="*", default=["ours", "speculators", "specforge"])
     ap.add_argument("--skip-vllm", action="store_true")
     args = ap.parse_args()
@@ -200,28 +288,37 @@ def main() -> None:
     from transformers import AutoConfig
 
     layers = AutoConfig.from_pretrained(compose(args.recipe, [f"run_dir={args.base}"]).target.path).num_hidden_layers
-    common = ["head.variant=eagle3", f"store.layers=[{layers}]", "train.loss.w_feat=0", "target.device=cpu",
-              *args.overrides]
+    common = common_overrides(layers, args.overrides)
     base_cfg = compose(args.recipe, [f"run_dir={args.base}", *common])
     peers_json = args.work / "data" / "peers.json"
     if not peers_json.is_file():
         write(base_cfg, args.work / "data")
     peers = json.loads(peers_json.read_text())
-    matched = [*common, f"train.steps={args.steps}", f"train.micro_batch={args.micro_batch}",
-               f"train.depth={args.depth}", f"train.lr={args.lr}", f"train.warmup_steps={args.warmup}",
-               "train.min_lr_ratio=0", "train.betas=[0.9,0.999]", "train.weight_decay=0", "train.max_grad_norm=1.0",
-               "train.loss.gamma=0.8", f"train.seed={args.seed}"]
+    matched = matched_overrides(common, args)
     heads = {}
     if "ours" in args.only:
         heads["ours"] = ours(args, matched, "ours", args.work)
-        if args.ours_extra:
-            heads["ours-fix"] = ours(args, [*matched, *args.ours_extra], "ours-fix", args.work)
+        for variant in args.variants:
+            name, _, overrides = variant.partition("=")
+            heads[f"ours-{name}"] = ours(args, [*matched, *overrides.split(",")], f"ours-{name}", args.work)
     if "speculators" in args.only:
         heads["speculators"] = speculators(args, peers, args.work)
+        if args.peer_norms:
+            heads["speculators-norms"] = speculators(args, peers, args.work, "speculators-norms", norms=True)
     if "specforge" in args.only:
         heads["specforge"] = specforge(args, peers_json, args.work)
+    for entry in args.judge:
+        name, _, rest = entry.partition("=")
+        method, _, path = rest.partition(":")
+        heads[name] = {"export": Path(path).resolve(), "method": method, "speed": None, "judged_only": True}
+    tf_cfg = compose(args.recipe, [f"run_dir={args.base}", *common, "validate.val_samples=48"])
     for name, h in heads.items():
-        print(f"{name}: {h['speed']}", flush=True)
+        if not h.get("judged_only") and "teacher_forced" not in h:  # the peers' heads, on our val store
+            h["teacher_forced"] = peer_teacher_forced(h["export"], tf_cfg, args.depth + 2)
+        tf = h.get("teacher_forced")
+        print(f"{name}: {h['speed']}" + (f"; teacher-forced acc d1..: "
+                                         + " ".join(f"{a:.3f}" for a in tf["accuracy_by_depth"]) if tf else ""),
+              flush=True)
     out = HERE.parent / "results" / "peers-side_by_side.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     save(out, args, matched, peers, heads, None)  # the training figures, before vLLM's
@@ -238,6 +335,9 @@ def save(out: Path, args, matched: list[str], peers: dict, heads: dict, judged: 
         "matched_overrides": matched, "not_matched": SETTINGS_NOT_MATCHED, "data": {k: peers[k] for k in (
             "samples", "tokens", "mean_train_length", "aux_layers", "draft_vocab", "draft_vocab_summary")},
         "speed": {n: h["speed"] for n, h in heads.items()},
+        "teacher_forced": {n: h["teacher_forced"] for n, h in heads.items() if h.get("teacher_forced")},
+        "heads": {n: {"export": str(h["export"]), "method": h.get("method", "eagle3"),
+                      "overrides": h.get("overrides"), "norms": h.get("norms")} for n, h in heads.items()},
         "speculators_total_seq_len": heads.get("speculators", {}).get("total_seq_len"),
         "adjustments": {n: h.get("adjustments") for n, h in heads.items() if h.get("adjustments")},
         "vllm": judged}, indent=1, default=str) + "\n")

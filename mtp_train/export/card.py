@@ -212,14 +212,35 @@ def _serving_eagle3(layout: str, out: Path, c: CardInputs) -> str:
     aux = c.meta["head"].get("aux_layers") or []
     ids = f"{aux}" if aux else "(2, L//2, L-3)"
     k = 5
+    residual_norm = bool(c.meta["head"].get("norm_before_residual"))
+    fc_norm = bool(c.meta["head"].get("norm_before_fc"))
+    norm_text = ("`norm_before_residual` is true (the residual is `hidden_norm` of the fused features)"
+                 if residual_norm else "`norm_before_residual` is false (the residual is the fused features before "
+                 "`hidden_norm`, as SpecForge trains and SGLang runs it)")
+    norm_text += ("; `norm_before_fc` is true (`input_norm.weight`, one RMSNorm over the concatenated aux states "
+                  "before `fc`, vLLM's option)." if fc_norm else "; `norm_before_fc` is false.")
+    output_norm = bool(c.meta["head"].get("norm_output"))
+    if output_norm:
+        norm_text = norm_text[:-1] + ("; `norm_output` is true (the chain feeds `norm(z)`, what the lm_head read, "
+                                      "back as the next step's hidden state).")
+    vllm_only = residual_norm or fc_norm or output_norm
+    sglang_text = ("**SGLang** does not serve this head: its EAGLE-3 layer has none of `norm_before_residual`, "
+                   "`norm_before_fc` and `norm_output`, and reading these weights without them would draft from "
+                   "other logits."
+                   if vllm_only else f"""**SGLang**:
+
+```bash
+python -m sglang.launch_server --model-path {c.target_path} --speculative-algorithm EAGLE3 \\
+    --speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 1 \\
+    --speculative-num-draft-tokens {k + 1}
+```""")
     conventions = f"""The head reads the residual stream entering target layers {ids} (transformers'
 `hidden_states[i]`). `config.json` writes them in each engine's convention: vLLM's top-level
 `eagle_aux_hidden_state_layer_ids` counts "input to layer i" (the same numbers); SGLang's
 `eagle_config.eagle_aux_hidden_state_layer_ids` counts "output of layer j" (one less: SGLang adds one before
 capturing). `d2t` holds offsets (target id = draft id + d2t[draft id]), `t2d` marks the target ids inside the
-draft vocabulary ({c.meta['head'].get('draft_vocab')} tokens); `norm_before_residual` is false (the residual is
-the fused features before `hidden_norm`, as SpecForge trains and SGLang runs it). Each engine's reading of
-these files (ids, offsets, residual) was checked to give the trained head's logits exactly when exporting."""
+draft vocabulary ({c.meta['head'].get('draft_vocab')} tokens); {norm_text} Each engine's reading of
+these files (ids, offsets, norms) was checked to give the trained head's logits exactly when exporting."""
     if layout == "eagle3-speculators":
         return f"""**vLLM** (speculators format, `Eagle3Speculator`; `speculators_config.verifier` names the target):
 
@@ -228,8 +249,9 @@ vllm serve {out}                     # the verifier named in config.json, {SPECU
 vllm serve {c.target_path} --speculative-config '{{"model": "{out}", "num_speculative_tokens": {k}}}'
 ```
 
-`norm_before_residual: false` is written explicitly: vLLM's speculators path takes it as true when it is
-absent, which would add the normalised features to the attention output and collapse acceptance silently.
+`norm_before_residual` is written explicitly: vLLM's speculators path takes it as true when it is absent, which
+for a head trained without it would add the normalised features to the attention output and collapse acceptance
+silently.
 
 {conventions}"""
     return f"""**vLLM** (`LlamaForCausalLMEagle3`):
@@ -238,13 +260,7 @@ absent, which would add the normalised features to the attention output and coll
 vllm serve {c.target_path} --speculative-config '{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {k}}}'
 ```
 
-**SGLang**:
-
-```bash
-python -m sglang.launch_server --model-path {c.target_path} --speculative-algorithm EAGLE3 \\
-    --speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 1 \\
-    --speculative-num-draft-tokens {k + 1}
-```
+{sglang_text}
 
 {conventions}"""
 

@@ -19,10 +19,16 @@ Two directories (`format=eagle3`):
   `norm_before_residual` written explicitly: vLLM's speculators path takes it as true when it is absent, while
   this head (as SpecForge's and SGLang's) adds the un-normalised `g` to the attention output.
 
-`read_engine` reads a directory as one engine does (the ids in its convention, `d2t` as offsets, the residual
-per `norm_before_residual` with the engine's default) into a `DraftHead`; `check_engine_round_trip` runs it
+The head's norm options (`head.norm_before_residual`; `head.norm_before_fc`: `input_norm.weight`, k·H wide;
+`head.norm_output`: the chain feeds norm(z) back) are written in both directories for vLLM, which reads all three
+in both formats. SGLang's EAGLE-3 layer has none of them: a head trained with any is exported for vLLM only
+(`engines`), and the card says so.
+
+`read_engine` reads a directory as one engine does (the ids in its convention, `d2t` as offsets, the norm options
+with the engine's defaults) into a `DraftHead`; `check_engine_round_trip` runs it
 and the trained head on the same target hidden states (every layer's, so a shifted layer id reads another
-one) and compares the logits over the whole target vocabulary (so a wrong `d2t` puts them on other ids).
+one) and compares the logits over the whole target vocabulary (so a wrong `d2t` puts them on other ids), at the
+first step and at a second one fed the first's output.
 """
 
 from __future__ import annotations
@@ -38,8 +44,25 @@ from mtp_train.model.head import DraftHead, HeadConfig, additive_mask, eagle3_la
 
 EAGLE3, EAGLE3_SPECULATORS = "eagle3", "eagle3-speculators"
 ENGINES = {EAGLE3: ("vllm", "sglang"), EAGLE3_SPECULATORS: ("vllm",)}
-HEAD_KEYS = ("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
+HEAD_KEYS = ("fc.", "input_norm.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
 SPECULATIVE_TOKENS = 3  # speculators_config's default proposal (vLLM's `num_speculative_tokens` overrides it)
+
+
+def norms(config: dict) -> dict[str, bool]:
+    """The head's norm options as an export's config.json states them (vLLM's reading: a speculators config
+    without norm_before_residual means true)."""
+    speculators = "speculators_model_type" in config
+    nested = config.get("eagle_config") or {}
+    return {"norm_before_residual": bool(config.get("norm_before_residual", speculators)),
+            "norm_before_fc": bool(nested.get("norm_before_fc", config.get("norm_before_fc", False))),
+            "norm_output": bool(config.get("norm_output", False))}
+
+
+def engines(name: str, config: dict) -> tuple[str, ...]:
+    """The engines that serve directory `name` with this config: SGLang only a head without any norm option."""
+    if any(norms(config).values()):
+        return tuple(e for e in ENGINES[name] if e != "sglang")
+    return ENGINES[name]
 
 
 def layer_fields(layer_config) -> dict:
@@ -55,17 +78,15 @@ def layer_fields(layer_config) -> dict:
 
 def configs(head: DraftHead, target_config: dict, target_path: str, dtype: str) -> dict[str, dict]:
     """config.json of each directory."""
-    if head.cfg.norm_before_fc:
-        raise ValueError("head.norm_before_fc=true is not exported yet (SGLang's EAGLE-3 layer has no norm before fc; "
-                         "vLLM's reads it as `input_norm`): train without it to export")
     layer = layer_fields(head.config)
     aux = list(head.aux_layers)
     common = {"draft_vocab_size": head.cfg.draft_vocab, "target_hidden_size": target_config["hidden_size"],
-              "norm_before_residual": head.cfg.norm_before_residual}
+              "norm_before_residual": head.cfg.norm_before_residual, "norm_before_fc": head.cfg.norm_before_fc,
+              "norm_output": head.cfg.norm_output}
     native = {**layer, "architectures": ["LlamaForCausalLMEagle3"], **common, "torch_dtype": dtype,
               "eagle_aux_hidden_state_layer_ids": aux,  # vLLM: the residual entering layer i
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],  # SGLang: output of i-1
-                               "use_aux_hidden_state": True}}
+                               "use_aux_hidden_state": True, "norm_before_fc": head.cfg.norm_before_fc}}
     speculators = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                    "speculators_version": "0.1.0", **common, "eagle_aux_hidden_state_layer_ids": aux,
                    "torch_dtype": dtype, "transformer_layer_config": {**layer, "torch_dtype": dtype},
@@ -94,41 +115,47 @@ def write(out: Path, name: str, state: dict[str, torch.Tensor], config: dict, dt
 
 
 # -- reading an export as an engine does -------------------------------------------------------------------
-def read_engine(out: Path, engine: str, target_config) -> DraftHead:
+def read_engine(out: Path, engine: str, target_config, drop: tuple[str, ...] = ()) -> DraftHead:
     """The head of an EAGLE-3 directory as `engine` (vllm / sglang) reads it, in its dtype: its aux layers as
-    transformers' hidden_states indices, draft ids mapped by d2t as offsets, the residual per
-    norm_before_residual (vLLM's speculators path: true when absent; its native path and SGLang: false)."""
+    transformers' hidden_states indices, draft ids mapped by d2t as offsets, the norm options as config.json
+    states them (`norms`; vLLM's speculators path takes an absent norm_before_residual as true). SGLang has none of
+    the options: it reads them as false and leaves `input_norm.weight` unread. `drop`: key prefixes to leave
+    unread (a peer's export may carry its copy of the target's embedding, `embed_tokens.`)."""
     from mtp_train.export.write import WEIGHTS
 
     config = json.loads((out / "config.json").read_text())
     speculators = "speculators_model_type" in config
+    options = norms(config)
     if engine == "sglang":
         if speculators:
             raise ValueError(f"{out}: SGLang does not read the speculators format")
         ids = [j + 1 for j in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
-        norm_first = False  # SGLang's layer has no such option
+        options = {k: False for k in options}  # SGLang's layer has none of the options
     else:
         ids = list(config["eagle_aux_hidden_state_layer_ids"])
-        norm_first = bool(config.get("norm_before_residual", True if speculators else False))
     layer = config["transformer_layer_config"] if speculators else config
     from safetensors import safe_open
 
     with safe_open(str(out / WEIGHTS), framework="pt") as f:
-        keys = list(f.keys())
+        keys = [k for k in f.keys() if not k.startswith(drop)] if drop else list(f.keys())
     try:
         state = layout(EAGLE3_SPECULATORS if speculators else EAGLE3).to_head(read_tensors(out, keys))
     except ValueError as e:
         raise ValueError(f"{out}: {e}; they are not part of an EAGLE-3 head ({engine} would drop them)") from None
     n = int(config["draft_vocab_size"])
-    cfg = HeadConfig(variant="eagle3", draft_vocab=n, aux_layers=ids, norm_before_residual=norm_first)
+    cfg = HeadConfig(variant="eagle3", draft_vocab=n, aux_layers=ids, **options)
     head = DraftHead(target_config, cfg)
     built = layer_fields(eagle3_layer_config(target_config, cfg))
+    if layer.get("rope_theta") is None:  # transformers 5 configs (a peer's) may state it only in rope_parameters
+        layer = {**layer, "rope_theta": (layer.get("rope_parameters") or {}).get("rope_theta")}
     wrong = {k: (layer.get(k), v) for k, v in built.items()
              if k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                       "rms_norm_eps", "rope_theta") and layer.get(k) != v}
     if wrong:
         raise ValueError(f"{out}/config.json describes another layer than the head's: "
                          + ", ".join(f"{k} {a} (the head: {b})" for k, (a, b) in wrong.items()))
+    if engine == "sglang":
+        state = {k: v for k, v in state.items() if not k.startswith("input_norm.")}
     d2t = state.pop("d2t").long()
     t2d = state.pop("t2d", None)
     target_ids = d2t + torch.arange(n)  # both engines: target id = draft id + d2t[draft id]
@@ -146,17 +173,20 @@ def read_engine(out: Path, engine: str, target_config) -> DraftHead:
 
 
 def engine_logits(head: DraftHead, target_hidden: list[torch.Tensor], embeds: torch.Tensor) -> torch.Tensor:
-    """Logits over the whole target vocabulary [T, V] (-inf outside the draft vocabulary) of the head's first
-    step on target hidden states `target_hidden` (transformers' hidden_states: one [T, H] per index) and
-    token embeddings [T, H], as an engine computes them."""
+    """Logits over the whole target vocabulary [2, T, V] (-inf outside the draft vocabulary) of the head's first
+    step on target hidden states `target_hidden` (transformers' hidden_states: one [T, H] per index) and token
+    embeddings [T, H], and of a second step fed the first step's output (what the chain feeds back: `norm_output`
+    shows only there), as an engine computes them."""
     features = torch.cat([target_hidden[i] for i in head.aux_layers], dim=-1)[None]
     T = embeds.shape[0]
     mask = additive_mask(torch.ones(T, T, dtype=torch.bool).tril()[None, None], torch.float32)
+    positions = torch.arange(1, T + 1)[None]
     with torch.no_grad():
-        z = head(embeds[None], head.fuse(features), torch.arange(1, T + 1)[None], mask)
-        draft = head.readout(z)[0] @ head.lm_head.weight.T
-    out = torch.full((T, head.t2d.shape[0]), float("-inf"))
-    out[:, head.draft_ids] = draft
+        z1 = head(embeds[None], head.fuse(features), positions, mask)
+        z2 = head(embeds.roll(-1, 0)[None], z1, positions + 1, mask)
+        draft = torch.cat([head.readout(z1), head.readout(z2)]) @ head.lm_head.weight.T
+    out = torch.full((2, T, head.t2d.shape[0]), float("-inf"))
+    out[..., head.draft_ids] = draft
     return out
 
 
@@ -168,14 +198,14 @@ def check_engine_round_trip(reference: DraftHead, out: Path, name: str, target_c
     target_hidden = list(torch.randn(L + 1, tokens, H, generator=g))
     embeds = torch.randn(tokens, H, generator=g)
     want = engine_logits(reference.float(), target_hidden, embeds)
-    for engine in ENGINES[name]:
+    for engine in engines(name, json.loads((out / "config.json").read_text())):
         try:
             back = read_engine(out, engine, target_config)
         except (KeyError, ValueError) as e:
             raise ValueError(f"the {name} export in {out} cannot be read as {engine} reads it: {e}") from None
         got = engine_logits(back.float(), target_hidden, embeds)
         if not torch.equal(got, want):
-            differ = (got != want).any(-1).sum().item()
+            differ = (got != want).any(-1).sum(-1).tolist()
             raise ValueError(f"the {name} export in {out}, read as {engine} reads it, does not reproduce the trained "
-                             f"head: logits differ at {differ} of {tokens} positions (aux layer ids, d2t or the "
-                             "residual's norm placement)")
+                             f"head: logits differ at {differ[0]} of {tokens} positions of the first step and "
+                             f"{differ[1]} of the second (aux layer ids, d2t or the norm options)")

@@ -23,7 +23,7 @@ trainable lm_head over the draft vocabulary:
                                                        post_attention_layernorm + MLP
     logits = lm_head(norm(z_i))                        over the draft vocabulary, initialised from W's rows
 
-The chain feeds z (before `norm`) back as the next step's g. The layer is Llama's for every target family
+The chain feeds z (before `norm`) back as the next step's g; with `norm_output`, norm(z) (what the lm_head read). The layer is Llama's for every target family
 (what the engines build), sized from the target's config.
 
 Draft vocabulary (`head.draft_vocab = N > 0`, any variant; `eagle3` requires one): the head drafts over N target tokens only (the
@@ -86,6 +86,9 @@ class HeadConfig:
     # eagle3: one RMSNorm (`input_norm`, k·H wide) over the fused target features before fc (speculators' and
     # vLLM's `norm_before_fc`; SpecForge and SGLang: false)
     norm_before_fc: bool = False
+    # eagle3: the chain feeds norm(z) back as the next step's g instead of z (speculators' and vLLM's
+    # `norm_output`; SpecForge and SGLang: false); the lm_head reads norm(z) either way
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_vocab < 0:
@@ -95,7 +98,7 @@ class HeadConfig:
         if self.variant == "eagle3" and not self.draft_vocab:
             raise ValueError("head.variant=eagle3 trains its own lm_head over a draft vocabulary: set "
                              "head.draft_vocab=N (EAGLE-3 uses 32000 for Llama 3's 128k tokens)")
-        for name in ("norm_before_residual", "norm_before_fc"):
+        for name in ("norm_before_residual", "norm_before_fc", "norm_output"):
             if getattr(self, name) and self.variant != "eagle3":
                 raise ValueError(f"head.{name}=true is for head.variant=eagle3 (this head is {self.variant})")
         if self.aux_layers and self.variant != "eagle3":
@@ -334,9 +337,10 @@ class DraftHead(nn.Module):
         return self.fc(self.input_norm(features) if self.cfg.norm_before_fc else features)
 
     def readout(self, out: torch.Tensor) -> torch.Tensor:
-        """What the lm_head reads from a step's output: eagle3's `norm(z)`; the output itself otherwise (mtp's
-        ĥ is already normalised by post_norm, and is what the chain feeds back)."""
-        return self.norm(out) if self.cfg.variant == "eagle3" else out
+        """What the lm_head reads from a step's output: eagle3's `norm(z)` (with `norm_output` the output is
+        norm(z) already); the output itself otherwise (mtp's ĥ is already normalised by post_norm, and is what the
+        chain feeds back)."""
+        return self.norm(out) if self.cfg.variant == "eagle3" and not self.cfg.norm_output else out
 
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor, cache: HeadCache | None = None) -> torch.Tensor:
@@ -358,6 +362,8 @@ class DraftHead(nn.Module):
                                f"{self._cache_kw!r}); this transformers version calls it differently")
         if isinstance(z, tuple):  # older decoder layers return (hidden_states, ...)
             z = z[0]
+        if self.cfg.variant == "eagle3" and self.cfg.norm_output:
+            return self.norm(z)
         return self.post_norm(z) if self.post_norm is not None else z
 
     @property

@@ -1,0 +1,80 @@
+"""Each EAGLE-3 trainer's tokens/s at the same shapes, interleaved: ours, speculators and SpecForge each train a
+short run on the same SmolLM2 samples with the matched settings of `side_by_side.py`, in turns, `--rounds`
+times, so that a machine that slows down or speeds up during the benchmark (a shared host) weighs on every
+trainer alike. Per trainer: tokens/s of each round (real tokens of steps 2..N over their wall time) and the
+median over rounds; the ratios are of medians.
+
+    python benchmarks/peers/trainer_speed.py --base runs/smol-e3sd --data runs/peers-smollm2/data --steps 20 --rounds 2
+
+`--data` is the peers' data that `side_by_side.py` wrote for `--base` (its `peers.json`). Writes
+benchmarks/results/peers-trainer_speed.json and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from timing import command, machine  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", type=Path, required=True)
+    ap.add_argument("--data", type=Path, required=True, help="side_by_side.py's peers' data (with peers.json)")
+    ap.add_argument("--recipe", default="smollm2-135m")
+    ap.add_argument("--work", type=Path, default=Path("runs/peers-speed"))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mask-token-id", type=int, default=2)
+    args = ap.parse_args()
+    args.base, args.work, args.data = args.base.resolve(), args.work.resolve(), args.data.resolve()
+    os.environ.setdefault("WANDB_MODE", "offline")
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    import side_by_side as sbs
+
+    peers_json = args.data / "peers.json"
+    peers = json.loads(peers_json.read_text())
+    layers = peers["num_layers"]
+    args.warmup, args.reuse = max(1, args.steps // 10), False
+    matched = sbs.matched_overrides(sbs.common_overrides(layers), args)
+    rounds: dict[str, list[dict]] = {"ours": [], "speculators": [], "specforge": []}
+    for r in range(args.rounds):
+        work = args.work / f"round{r}"
+        rounds["ours"].append(sbs.ours(args, matched, "ours", work, timing_only=True)["speed"])
+        rounds["speculators"].append(sbs.speculators(args, peers, work)["speed"])
+        rounds["specforge"].append(sbs.specforge(args, peers_json, work)["speed"])
+        print(f"round {r}: " + ", ".join(f"{n} {v[-1]['tokens_per_s']:.0f} tok/s" for n, v in rounds.items()),
+              flush=True)
+    median = {n: statistics.median(x["tokens_per_s"] for x in v) for n, v in rounds.items()}
+    fastest_peer = max(("speculators", "specforge"), key=median.get)
+    print(f"\ntrainer tokens/s, {args.steps} steps x {args.micro_batch} samples, depth {args.depth}, {args.rounds} "
+          f"interleaved rounds ({machine(torch.get_num_threads())})")
+    for n, v in rounds.items():
+        print(f"{n:<12}" + "".join(f"{x['tokens_per_s']:>9.0f}" for x in v) + f"   median {median[n]:.0f}"
+              + f"   ours / this {median['ours'] / median[n]:.2f}")
+    out = HERE.parent / "results" / "peers-trainer_speed.json"
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": machine(torch.get_num_threads()),
+                               "command": command("peers/trainer_speed.py", args), "matched_overrides": matched,
+                               "rounds": rounds, "median_tokens_per_s": median, "fastest_peer": fastest_peer,
+                               "ours_over_fastest_peer": median["ours"] / median[fastest_peer]}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
