@@ -277,6 +277,7 @@ def main() -> None:
     ap.add_argument("--judge", nargs="*", default=[], help="exports already made, served too: NAME=METHOD:DIR")
     ap.add_argument("--reuse", action="store_true", help="keep heads already trained in --work with these settings")
     ap.add_argument("--only", nargs="*", default=["ours", "speculators", "specforge"])
+    ap.add_argument("--no-base", action="store_true", help="only the variants and --peer-norms heads (another seed)")
     ap.add_argument("--skip-vllm", action="store_true")
     args = ap.parse_args()
     args.base, args.work = args.base.resolve(), args.work.resolve()
@@ -297,12 +298,14 @@ def main() -> None:
     matched = matched_overrides(common, args)
     heads = {}
     if "ours" in args.only:
-        heads["ours"] = ours(args, matched, "ours", args.work)
+        if not args.no_base:
+            heads["ours"] = ours(args, matched, "ours", args.work)
         for variant in args.variants:
             name, _, overrides = variant.partition("=")
             heads[f"ours-{name}"] = ours(args, [*matched, *overrides.split(",")], f"ours-{name}", args.work)
     if "speculators" in args.only:
-        heads["speculators"] = speculators(args, peers, args.work)
+        if not args.no_base:
+            heads["speculators"] = speculators(args, peers, args.work)
         if args.peer_norms:
             heads["speculators-norms"] = speculators(args, peers, args.work, "speculators-norms", norms=True)
     if "specforge" in args.only:
@@ -319,7 +322,8 @@ def main() -> None:
         print(f"{name}: {h['speed']}" + (f"; teacher-forced acc d1..: "
                                          + " ".join(f"{a:.3f}" for a in tf["accuracy_by_depth"]) if tf else ""),
               flush=True)
-    out = HERE.parent / "results" / "peers-side_by_side.json"
+    out = HERE.parent / "results" / ("peers-side_by_side.json" if args.seed == 0 else
+                                      f"peers-side_by_side-seed{args.seed}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     save(out, args, matched, peers, heads, None)  # the training figures, before vLLM's
     if not args.skip_vllm:
