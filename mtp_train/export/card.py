@@ -212,18 +212,17 @@ def _serving_eagle3(layout: str, out: Path, c: CardInputs) -> str:
     aux = c.meta["head"].get("aux_layers") or []
     ids = f"{aux}" if aux else "(2, L//2, L-3)"
     k = 5
-    residual_norm = bool(c.meta["head"].get("norm_before_residual"))
-    fc_norm = bool(c.meta["head"].get("norm_before_fc"))
-    norm_text = ("`norm_before_residual` is true (the residual is `hidden_norm` of the fused features)"
-                 if residual_norm else "`norm_before_residual` is false (the residual is the fused features before "
-                 "`hidden_norm`, as SpecForge trains and SGLang runs it)")
-    norm_text += ("; `norm_before_fc` is true (`input_norm.weight`, one RMSNorm over the concatenated aux states "
-                  "before `fc`, vLLM's option)." if fc_norm else "; `norm_before_fc` is false.")
-    output_norm = bool(c.meta["head"].get("norm_output"))
-    if output_norm:
-        norm_text = norm_text[:-1] + ("; `norm_output` is true (the chain feeds `norm(z)`, what the lm_head read, "
-                                      "back as the next step's hidden state).")
-    vllm_only = residual_norm or fc_norm or output_norm
+    options = {k: bool(c.meta["head"].get(k)) for k in ("norm_before_residual", "norm_before_fc", "norm_output")}
+    said = [("`norm_before_residual` is true (the residual is `hidden_norm` of the fused features)"
+             if options["norm_before_residual"] else "`norm_before_residual` is false (the residual is the fused "
+             "features before `hidden_norm`, as SpecForge trains and SGLang runs it)"),
+            ("`norm_before_fc` is true (`input_norm.weight`, one RMSNorm over the concatenated aux states before "
+             "`fc`, vLLM's option)" if options["norm_before_fc"] else "`norm_before_fc` is false")]
+    if options["norm_output"]:
+        said.append("`norm_output` is true (the chain feeds `norm(z)`, what the lm_head read, back as the next "
+                    "step's hidden state)")
+    norm_text = "; ".join(said) + "."
+    vllm_only = any(options.values())
     sglang_text = ("**SGLang** does not serve this head: its EAGLE-3 layer has none of `norm_before_residual`, "
                    "`norm_before_fc` and `norm_output`, and reading these weights without them would draft from "
                    "other logits."

@@ -23,8 +23,8 @@ trainable lm_head over the draft vocabulary:
                                                        post_attention_layernorm + MLP
     logits = lm_head(norm(z_i))                        over the draft vocabulary, initialised from W's rows
 
-The chain feeds z (before `norm`) back as the next step's g; with `norm_output`, norm(z) (what the lm_head read). The layer is Llama's for every target family
-(what the engines build), sized from the target's config.
+The chain feeds z (before `norm`) back as the next step's g; with `norm_output`, norm(z) (what the lm_head
+read). The layer is Llama's for every target family (what the engines build), sized from the target's config.
 
 Draft vocabulary (`head.draft_vocab = N > 0`, any variant; `eagle3` requires one): the head drafts over N target tokens only (the
 most frequent trained tokens of the training data, `train/vocab.py`), with the frozen lm_head's rows for them,
