@@ -13,11 +13,11 @@ import torch
 from transformers import AutoConfig, LlamaConfig
 
 from mtp_train.inference import HeadDrafter, SamplingConfig, SpeculativeDecoder, generate
-from mtp_train.model.head import DraftHead, HeadConfig, unrolled
+from mtp_train.model.head import DraftHead, DraftLMHead, HeadConfig, unrolled
 from mtp_train.store.format import identity_for, write_split
 from mtp_train.store.reader import StoreReader
 from mtp_train.train import checkpoint as ckpt
-from mtp_train.train.loss import LossConfig, distill_ce, head_loss
+from mtp_train.train.loss import LossConfig, TargetStats, distill_ce, head_loss, needed_positions
 from mtp_train.train.trainer import Trainer
 from mtp_train.train.vocab import choose_draft_vocab, most_frequent, trained_token_counts
 from test_inference import (NEW, ROWS, STOP, VOCAB, fresh_prefill, prompts, reference, target,  # noqa: F401 (fixtures)
@@ -162,6 +162,108 @@ def test_head_loss_with_a_draft_vocabulary_matches_the_formula():
     torch.testing.assert_close(total, expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+@pytest.mark.parametrize("own_lm_head", [False, True])
+def test_head_loss_over_a_draft_vocabulary_has_the_gradients_of_the_formula(chunk, own_lm_head):
+    """All depths in one pass over the target positions (`SharedTargetDistill`, chunked by position): the loss,
+    its gradients with respect to every depth's output and to a trainable draft lm_head (an eagle3 head's own),
+    and the per-depth metrics equal depth-by-depth autograd through the direct formula, at a temperature."""
+    torch.manual_seed(4)
+    B, T, Hd, V, M, depth = 3, 10, 8, 41, 15, 3
+    hidden, W = torch.randn(B, T, Hd), torch.randn(V, Hd)
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:M].sort().values
+    loss_mask, lengths = (torch.rand(B, T) > 0.25).to(torch.int8), torch.tensor([10, 7, 9])
+    outs = [torch.randn(B, T, Hd, requires_grad=True) for _ in range(depth)]
+    Wd = (torch.randn(M, Hd) if own_lm_head else W[ids].clone()).requires_grad_(own_lm_head)
+    draft = DraftLMHead(Wd, ids, W[ids] if own_lm_head else None)
+    cfg = LossConfig(w_feat=0.2, w_logit=0.9, gamma=0.7, chunk_tokens=chunk, temperature=0.8)
+    total, m = head_loss(outs, hidden, loss_mask, lengths, W, cfg, draft=draft)
+    ref_outs = [o.detach().clone().requires_grad_(True) for o in outs]
+    ref_wd = Wd.detach().clone().requires_grad_(own_lm_head)
+    expect = 0.0
+    for j, o in enumerate(ref_outs):
+        rows = [(b, i) for b in range(B) for i in range(T) if i + 2 + j < lengths[b] and loss_mask[b, i + 2 + j]]
+        x = torch.stack([o[b, i] for b, i in rows])
+        y = torch.stack([hidden[b, i + 1 + j] for b, i in rows])
+        t = y @ W.T
+        inside = torch.isin(t.argmax(-1), ids)
+        log_q = torch.log_softmax(x @ ref_wd.T, -1)
+        ce = -(inside * (torch.softmax(t[:, ids] / 0.8, -1) * log_q).sum(-1))
+        feat = torch.nn.functional.smooth_l1_loss(x, y, reduction="none").mean(-1)
+        expect = expect + 0.7 ** j * (0.2 * feat.mean() + 0.9 * ce.mean())
+        q = torch.zeros_like(t)
+        q[:, ids] = log_q.exp()
+        assert m[f"d{j + 1}/n"] == len(rows)
+        assert m[f"d{j + 1}/ce"] == pytest.approx(ce.mean().item(), rel=1e-5)
+        assert m[f"d{j + 1}/acc"] == pytest.approx((ids[log_q.argmax(-1)] == t.argmax(-1)).float().mean().item())
+        assert m[f"d{j + 1}/accept"] == pytest.approx(
+            torch.minimum(torch.softmax(t / 0.8, -1), q).sum(-1).mean().item(), rel=1e-5)
+        assert m[f"d{j + 1}/in_vocab"] == pytest.approx(inside.float().mean().item())
+    torch.testing.assert_close(total, expect, rtol=1e-5, atol=1e-5)
+    (1.5 * total).backward()
+    (1.5 * expect).backward()
+    for o, r in zip(outs, ref_outs):
+        torch.testing.assert_close(o.grad, r.grad, rtol=1e-4, atol=1e-6)
+    if own_lm_head:
+        torch.testing.assert_close(Wd.grad, ref_wd.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_target_stats_are_the_full_vocabulary_argmax_and_logsumexp_per_sample_whatever_the_batch():
+    """`TargetStats` at the positions the loss reads equals argmax / logsumexp of W h / T formed directly; a
+    sample gives the same bits alone or padded in a batch, and from the cache on its second visit; the cache
+    keeps nothing past its budget and nothing without indices."""
+    g = torch.Generator().manual_seed(5)
+    V, H, T = 300, 16, 11
+    W = torch.randn(V, H, generator=g)
+    hidden = torch.randn(3, T, H, generator=g)
+    lengths = torch.tensor([11, 7, 9])
+    mask = torch.rand(3, T, generator=g) > 0.3
+    mask &= torch.arange(T)[None] < lengths[:, None]
+    for temperature in (1.0, 0.7):
+        stats = TargetStats(W, temperature, chunk=4, max_mb=1.0)
+        top, lse = stats(hidden, mask, lengths, 3, torch.tensor([10, 11, 12]))
+        need = needed_positions(mask, lengths, 3)
+        assert need.any() and not need[:, 0].any()  # h_0 is no anchor's target
+        logits = hidden @ W.T
+        assert torch.equal(top[need], logits.argmax(-1)[need])
+        assert torch.allclose(lse[need], (logits / temperature).logsumexp(-1)[need], atol=1e-5)
+        for b in range(3):
+            n = int(lengths[b])
+            alone = TargetStats(W, temperature, chunk=4)(hidden[b:b + 1, :n], mask[b:b + 1, :n], lengths[b:b + 1], 3)
+            assert torch.equal(alone[0][0], top[b, :n]) and torch.equal(alone[1][0], lse[b, :n])
+        again = stats(hidden[[2, 0]], mask[[2, 0]], lengths[[2, 0]], 3, torch.tensor([12, 10]))
+        assert (stats.hits, stats.misses) == (2, 3)
+        assert torch.equal(again[0], top[[2, 0]]) and torch.equal(again[1], lse[[2, 0]])
+    small = TargetStats(W, 1.0, chunk=4, max_mb=100 / 2**20)  # room for 12 tokens: the first sample only
+    small(hidden, mask, lengths, 3, torch.tensor([0, 1, 2]))
+    assert list(small.kept) == [0] and small.bytes == 88
+    unindexed = TargetStats(W, 1.0, chunk=4, max_mb=1.0)
+    unindexed(hidden, mask, lengths, 3)
+    assert not unindexed.kept
+
+
+def test_the_target_stats_cache_changes_no_bit_of_training(tmp_path, samples, tiny_dir):  # noqa: F811
+    """Three epochs with the cache and with train.target_stats_cache_mb=0: the same losses, validation metrics
+    and weights, bit for bit; with it the full-vocabulary stats of epochs 2 and 3 are read, not recomputed."""
+    args = ("head.draft_vocab=200", "train.steps=12", "train.micro_batch=4", "train.depth=2", "train.lr=1e-3",
+            "train.eval_every=4")
+    runs = {}
+    for name, cache in (("cached", "1024"), ("recomputed", "0")):
+        make_store(tmp_path / name, samples, tiny_dir / "target", n_train=16)
+        runs[name] = Trainer(config(tmp_path / name, *args, f"train.target_stats_cache_mb={cache}"))
+        runs[name].fit()
+    train, val = runs["cached"].target_stats["train"], runs["cached"].target_stats["val"]
+    assert (train.misses, train.hits) == (16, 32) and val.hits > 0
+    assert runs["recomputed"].target_stats["train"].hits == 0 and not runs["recomputed"].target_stats["train"].kept
+    rows = {n: [json.loads(line) for line in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+            for n in runs}
+    strip = [{k: v for k, v in r.items() if "time" not in k and "per_s" not in k} for r in rows["cached"]]
+    assert strip == [{k: v for k, v in r.items() if "time" not in k and "per_s" not in k} for r in rows["recomputed"]]
+    wa = ckpt.load_head_state(tmp_path / "cached" / "checkpoints" / "step-000012")
+    wb = ckpt.load_head_state(tmp_path / "recomputed" / "checkpoints" / "step-000012")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_a_full_vocabulary_head_computes_what_it_did():
     torch.manual_seed(4)
     hidden, W, outs = torch.randn(2, 7, 32), torch.randn(50, 32), [torch.randn(2, 7, 32)]
@@ -209,20 +311,25 @@ def test_training_with_a_draft_vocabulary(tmp_path, samples, tiny_dir, capsys): 
 
 
 def test_resume_with_a_draft_vocabulary_is_exact_and_refuses_another_size(tmp_path, samples, tiny_dir, monkeypatch):  # noqa: F811
-    args = ("head.draft_vocab=200", "train.steps=4", "train.save_every=2", "train.micro_batch=4", "train.depth=2",
+    """Resumed in the second epoch: the uninterrupted run reads the target stats it kept from the first epoch,
+    the resumed one starts with none and recomputes them; the losses and weights are the same bits."""
+    args = ("head.draft_vocab=200", "train.steps=8", "train.save_every=5", "train.micro_batch=4", "train.depth=2",
             "train.lr=1e-3")
     clean, broken = tmp_path / "clean", tmp_path / "broken"
     for d in (clean, broken):
-        make_store(d, samples, tiny_dir / "target")
-    Trainer(config(clean, *args)).fit()
-    killed_after(config(broken, *args), 3, monkeypatch)  # step 3 is logged after the checkpoint of step 2
+        make_store(d, samples, tiny_dir / "target", n_train=16)  # 4 steps an epoch
+    uninterrupted = Trainer(config(clean, *args))
+    uninterrupted.fit()
+    assert uninterrupted.target_stats["train"].hits == 16  # steps 5..8 read what steps 1..4 computed
+    killed_after(config(broken, *args), 6, monkeypatch)  # step 6 is logged after the checkpoint of step 5
     resumed = Trainer(config(broken, *args, "resume=true"))
-    assert resumed.step == 2
+    assert (resumed.step, resumed.epoch, resumed.consumed) == (5, 1, 1)
     resumed.fit()
+    assert resumed.target_stats["train"].hits == 0
     a, b = losses(clean), losses(broken)
-    assert [a[s] for s in range(1, 5)] == [b[s] for s in range(1, 5)]
-    wa = ckpt.load_head_state(clean / "checkpoints" / "step-000004")
-    wb = ckpt.load_head_state(broken / "checkpoints" / "step-000004")
+    assert [a[s] for s in range(1, 9)] == [b[s] for s in range(1, 9)]
+    wa = ckpt.load_head_state(clean / "checkpoints" / "step-000008")
+    wb = ckpt.load_head_state(broken / "checkpoints" / "step-000008")
     assert wa.keys() == wb.keys() and "d2t" in wa and all(torch.equal(wa[k], wb[k]) for k in wa)
     for other in ("head.draft_vocab=100", "head.draft_vocab=0"):
         with pytest.raises(ValueError, match=r"trained with head.draft_vocab=200; this run has head.draft_vocab="):

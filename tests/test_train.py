@@ -270,3 +270,30 @@ train: {{steps: 12, micro_batch: 8, lr: 3.0e-3, warmup_steps: 2, save_every: 6, 
     assert ckpt.latest(run_dir / "checkpoints").name == "step-000014"  # up to date; train resumed to 14
     assert (run_dir / "validation" / "report.json").is_file()
     assert (run_dir / "export" / "hf-mtp" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_training_flushes_subnormals_on_every_thread_and_restores_them(run_dir, monkeypatch, flush):
+    """train.flush_denormals: while fit runs, subnormal float32s read as zero in a product spread over the
+    thread pool (every thread's register, not the main thread's alone); after it, and with the option off,
+    they are IEEE subnormals again everywhere."""
+    tiny = torch.full((1 << 21,), 1e-39)  # large enough to be split over the intra-op threads
+
+    def survivors() -> int:
+        return int((tiny * 1.0 != 0).sum())
+
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    torch.set_flush_denormal(False)
+    seen = []
+    real_step = Trainer.train_step
+
+    def step(self, micro):
+        seen.append(survivors())
+        return real_step(self, micro)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert survivors() == tiny.numel()
+    Trainer(config(run_dir, "train.steps=2", f"train.flush_denormals={str(flush).lower()}")).fit()
+    assert seen == [0 if flush else tiny.numel()] * 2
+    assert survivors() == tiny.numel()

@@ -12,7 +12,9 @@ Adjustments (each recorded in OUT.json with how often it ran):
   (speculators falls back to "cuda");
 - flags the caller passes (checked here): `--draft-attn-impl sdpa` (flex attention has no CPU backward),
   `--loss-implementation eager` (the fused loss needs Triton), `--mask-token-id N` (the tokenizer names none).
-The record also holds each optimizer step's end time and real (unpadded) tokens, for tokens/s.
+The record also holds each optimizer step's end time and real (unpadded) tokens, for tokens/s, and the spans
+spent in its per-epoch checkpointing and validation (`outside_s`), which tokens/s leaves out as ours leaves out
+its evaluations.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def check_flags(argv: list[str]) -> None:
         raise SystemExit("run_speculators.py: pass --mask-token-id N (a token id the draft masks with)")
 
 
-def adjust(adj: Adjustments, steps: list[dict], tokens: list[int]) -> None:
+def adjust(adj: Adjustments, steps: list[dict], tokens: list[int], outside: list[list[float]]) -> None:
     import torch
 
     cpu = torch.device("cpu")
@@ -67,6 +69,19 @@ def adjust(adj: Adjustments, steps: list[dict], tokens: list[int]) -> None:
 
     adj.replace("speculators.train.trainer:Trainer._optimizers_step", "records each step's end time (timing only)",
                 step)
+
+    def span(orig):  # the time between steps that is not training: checkpoints and validation
+        def timed(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                outside.append([t0, time.perf_counter()])
+        return timed
+
+    for name in ("maybe_save_checkpoint", "val_epoch", "maybe_update_best"):
+        adj.replace(f"speculators.train.trainer:Trainer.{name}",
+                    "records the span it takes between training steps (timing only)", span)
     del tr
 
     def collate(orig):  # the real (unpadded) tokens of each packed batch, in order (num_workers 0: in process)
@@ -93,7 +108,8 @@ def main() -> None:
     adj.note("--mask-token-id", "the verifier's tokenizer names no mask token")
     steps: list[dict] = []
     tokens: list[int] = []  # train batches first, then the validation batches
-    adjust(adj, steps, tokens)
+    outside: list[list[float]] = []
+    adjust(adj, steps, tokens, outside)
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 
@@ -102,7 +118,8 @@ def main() -> None:
         train(TrainConfig.resolve(argv))
     finally:
         ends = [s["t"] - start for s in steps]
-        adj.write(ns.record, {"argv": argv, "step_end_s": ends, "step_tokens": tokens[:len(ends)]})
+        adj.write(ns.record, {"argv": argv, "step_end_s": ends, "step_tokens": tokens[:len(ends)],
+                              "outside_s": [[a - start, b - start] for a, b in outside]})
 
 
 if __name__ == "__main__":

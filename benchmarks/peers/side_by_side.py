@@ -144,12 +144,14 @@ def peer_teacher_forced(export: Path, cfg, depth: int) -> dict:
     return got
 
 
-def speed(ends: list[float], tokens: list[int]) -> dict:
-    """tokens/s over steps 2..N (end times in seconds, real tokens per step)."""
+def speed(ends: list[float], tokens: list[int], outside: list[list[float]] = ()) -> dict:
+    """tokens/s over steps 2..N (end times in seconds, real tokens per step), less the `outside` spans between
+    them (a peer's per-epoch checkpoints and validation; ours evaluates only before step 1 and after step N)."""
     if len(ends) < 2:
         return {"tokens_per_s": None, "steps": len(ends)}
-    return {"tokens_per_s": sum(tokens[1:]) / (ends[-1] - ends[0]), "steps": len(ends),
-            "tokens_per_step": sum(tokens) / len(tokens), "first_step_s": None}
+    left_out = sum(max(0.0, min(b, ends[-1]) - max(a, ends[0])) for a, b in outside)
+    return {"tokens_per_s": sum(tokens[1:]) / (ends[-1] - ends[0] - left_out), "steps": len(ends),
+            "tokens_per_step": sum(tokens) / len(tokens), "first_step_s": None, "left_out_s": left_out}
 
 
 def speculators(args, peers: dict, work: Path, name: str = "speculators", norms: bool = False) -> dict:
@@ -183,7 +185,7 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
                            f"{out / 'log.txt'}")
     # its last epoch's checkpoint (the one at --max-steps), not checkpoint_best (chosen on the held-out split)
     export = max((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    return {"export": export, "speed": speed(rec["step_end_s"], rec["step_tokens"]),
+    return {"export": export, "speed": speed(rec["step_end_s"], rec["step_tokens"], rec.get("outside_s", [])),
             "adjustments": rec["adjustments"], "total_seq_len": seq, "norms": norms}
 
 

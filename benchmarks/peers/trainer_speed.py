@@ -5,9 +5,15 @@ trainer alike. Per trainer: tokens/s of each round (real tokens of steps 2..N ov
 median over rounds; the ratios are of medians.
 
     python benchmarks/peers/trainer_speed.py --base runs/smol-e3sd --data runs/peers-smollm2/data --steps 20 --rounds 2
+    python benchmarks/peers/trainer_speed.py --base runs/smol-e3sd --data runs/peers-smollm2/data --steps 150 \
+        --rounds 1 --trainers ours speculators --variants recompute=train.target_stats_cache_mb=0 \
+        subnormals=train.flush_denormals=false
 
-`--data` is the peers' data that `side_by_side.py` wrote for `--base` (its `peers.json`). Writes
-benchmarks/results/peers-trainer_speed.json and prints the table.
+`--data` is the peers' data that `side_by_side.py` wrote for `--base` (its `peers.json`). 20 steps of 8 samples
+stay inside the first epoch of SmolLM2's 495 train samples; 150 steps (`side_by_side.py`'s budget) are 2.4
+epochs, where our trainer reads the target's full-vocabulary stats it kept from the first (`loss.TargetStats`);
+`--variants NAME=OVERRIDE,...` times further runs of ours (that cache off; subnormal floats kept, which our
+trainer flushes on CPUs), `--trainers` picks who runs. Writes benchmarks/results/peers-trainer_speed[-<steps>].json (no suffix for 20 steps) and prints the table.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mask-token-id", type=int, default=2)
+    ap.add_argument("--trainers", nargs="+", default=["ours", "speculators", "specforge"],
+                    choices=["ours", "speculators", "specforge"])
+    ap.add_argument("--variants", nargs="*", default=[], help="further runs of ours: NAME=OVERRIDE,OVERRIDE,...")
     args = ap.parse_args()
     args.base, args.work, args.data = args.base.resolve(), args.work.resolve(), args.data.resolve()
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -53,26 +62,39 @@ def main() -> None:
     layers = peers["num_layers"]
     args.warmup, args.reuse = max(1, args.steps // 10), False
     matched = sbs.matched_overrides(sbs.common_overrides(layers), args)
-    rounds: dict[str, list[dict]] = {"ours": [], "speculators": [], "specforge": []}
+    variants = dict(v.split("=", 1) for v in args.variants)
+    peers_run = {"speculators": lambda work: sbs.speculators(args, peers, work),
+                 "specforge": lambda work: sbs.specforge(args, peers_json, work)}
+    # ours, then a peer, then a variant of ours, then the other peer: what a drifting host does weighs on all
+    order = [n for n in ("ours", "speculators") if n in args.trainers] + [f"ours-{v}" for v in variants] + \
+        (["specforge"] if "specforge" in args.trainers else [])
+    rounds: dict[str, list[dict]] = {n: [] for n in order}
     for r in range(args.rounds):
-        work = args.work / f"round{r}"
-        rounds["ours"].append(sbs.ours(args, matched, "ours", work, timing_only=True)["speed"])
-        rounds["speculators"].append(sbs.speculators(args, peers, work)["speed"])
-        rounds["specforge"].append(sbs.specforge(args, peers_json, work)["speed"])
+        work = args.work / f"round{r}-{args.steps}"
+        for n in order:
+            if n in peers_run:
+                rounds[n].append(peers_run[n](work)["speed"])
+            else:
+                extra = variants[n[5:]].split(",") if n != "ours" else []
+                rounds[n].append(sbs.ours(args, [*matched, *extra], n, work, timing_only=True)["speed"])
         print(f"round {r}: " + ", ".join(f"{n} {v[-1]['tokens_per_s']:.0f} tok/s" for n, v in rounds.items()),
               flush=True)
     median = {n: statistics.median(x["tokens_per_s"] for x in v) for n, v in rounds.items()}
-    fastest_peer = max(("speculators", "specforge"), key=median.get)
+    peer_names = [n for n in ("speculators", "specforge") if n in median]
+    fastest_peer = max(peer_names, key=median.get) if peer_names else None
     print(f"\ntrainer tokens/s, {args.steps} steps x {args.micro_batch} samples, depth {args.depth}, {args.rounds} "
           f"interleaved rounds ({machine(torch.get_num_threads())})")
     for n, v in rounds.items():
-        print(f"{n:<12}" + "".join(f"{x['tokens_per_s']:>9.0f}" for x in v) + f"   median {median[n]:.0f}"
-              + f"   ours / this {median['ours'] / median[n]:.2f}")
-    out = HERE.parent / "results" / "peers-trainer_speed.json"
+        print(f"{n:<18}" + "".join(f"{x['tokens_per_s']:>9.0f}" for x in v) + f"   median {median[n]:.0f}"
+              + f"   ours / this {median['ours'] / median[n]:.2f}" * ("ours" in median))
+    out = HERE.parent / "results" / ("peers-trainer_speed.json" if args.steps == 20 else
+                                     f"peers-trainer_speed-{args.steps}.json")
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": machine(torch.get_num_threads()),
                                "command": command("peers/trainer_speed.py", args), "matched_overrides": matched,
-                               "rounds": rounds, "median_tokens_per_s": median, "fastest_peer": fastest_peer,
-                               "ours_over_fastest_peer": median["ours"] / median[fastest_peer]}, indent=1) + "\n")
+                               "variants": variants, "rounds": rounds, "median_tokens_per_s": median,
+                               "fastest_peer": fastest_peer,
+                               "ours_over_fastest_peer": median["ours"] / median[fastest_peer]
+                               if fastest_peer and "ours" in median else None}, indent=1) + "\n")
     print(f"wrote {out}")
 
 

@@ -53,7 +53,7 @@ def steps_per_epoch(n_samples: int, micro_batch: int, world: int, grad_accum: in
 
 class Collate:
     """Reads a micro-batch from a feature source (the store, or `train/features.py`'s online ones) and right-pads it: hidden [B, T, H] (float32), input_ids [B, T],
-    loss_mask [B, T] bool, lengths [B]; with `aux` (an eagle3 head's layers) also aux [B, T, k·H], the stored
+    loss_mask [B, T] bool, lengths [B], index [B] (the samples' indices in their split); with `aux` (an eagle3 head's layers) also aux [B, T, k·H], the stored
     states of those layers concatenated in that order (the head's input; `hidden` stays the loss's target)."""
 
     def __init__(self, reader, aux: list[int] | tuple[int, ...] = ()):
@@ -71,7 +71,8 @@ class Collate:
         H = samples[0]["hidden"].shape[-1]
         B = len(samples)
         out = {"hidden": torch.zeros(B, T, H), "input_ids": torch.zeros(B, T, dtype=torch.long),
-               "loss_mask": torch.zeros(B, T, dtype=torch.bool), "lengths": torch.zeros(B, dtype=torch.long)}
+               "loss_mask": torch.zeros(B, T, dtype=torch.bool), "lengths": torch.zeros(B, dtype=torch.long),
+               "index": torch.tensor(indices, dtype=torch.long)}
         if self.slots:
             out["aux"] = torch.zeros(B, T, len(self.slots) * H)
         for b, s in enumerate(samples):

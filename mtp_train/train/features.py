@@ -35,6 +35,7 @@ import torch
 
 from mtp_train.files import write_json
 from mtp_train.store.format import ShardFile, decode, encode, shard_metadata, stream_names
+from mtp_train.train import subnormals
 
 FEATURES = ("store", "online", "hybrid")
 MAX_OPEN = 64  # hybrid: shard files mapped at once
@@ -75,9 +76,10 @@ class OnlineSplit:
         ids, mask, offsets = self.tokens(indices)
         n = int(offsets[-1])
         states = {s: torch.empty(n, self.hidden_size) for s in stream_names(self.layers)}
-        for rows, xs, _ in sample_states(self.hidden_states, ids, offsets, self.batch_tokens, self.pad_multiple):
-            for stream, x in zip(states, xs):
-                states[stream][rows] = decode(*encode(x, self.dtype)).cpu()  # the store's rounding
+        with subnormals.kept():  # the target's arithmetic as precompute does it: the store's bits
+            for rows, xs, _ in sample_states(self.hidden_states, ids, offsets, self.batch_tokens, self.pad_multiple):
+                for stream, x in zip(states, xs):
+                    states[stream][rows] = decode(*encode(x, self.dtype)).cpu()  # the store's rounding
         return ids, mask, offsets, states
 
     def fetch(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:

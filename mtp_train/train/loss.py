@@ -10,8 +10,9 @@ so no gradient for it is formed. Softmaxes are fp32; with a bf16 W (GPU runs) th
 bf16 matmul, so they carry bf16 rounding (~0.4% relative) before the fp32 softmax.
 
 With a draft vocabulary (`head.draft_vocab`) the draft's logits are formed over its tokens only (the head's
-`DraftLMHead`); the target's are still formed over the full vocabulary, for its argmax and for the expected
-acceptance, so the metrics mean what they mean for a full-vocabulary head (see `head_loss`).
+`DraftLMHead`); the target's are still formed over the full vocabulary once per sample, for its argmax and for
+the expected acceptance (`TargetStats`, kept across epochs), so the metrics mean what they mean for a
+full-vocabulary head (see `head_loss`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,78 @@ class ChunkedDistill(torch.autograd.Function):
             (None if grad_wd is None else (grad_wd * scale).to(ctx.wd_dtype)), None, None, None
 
 
+class SharedTargetDistill(torch.autograd.Function):
+    """Every depth's rows of a draft-vocabulary loss in one pass over the target positions they read.
+
+    At depth j anchor i reads target position i+1+j, which anchor i+1 reads at depth j-1: the target's logits
+    over the draft vocabulary (Wt y / T), its distribution renormalised over them and p_full are formed once per
+    target position, chunk by chunk of positions, for every row (of any depth) that reads it, instead of once per
+    row. The same loss, gradients and metrics as `ChunkedDistill` with a draft vocabulary, depth by depth.
+    Inputs: x [N, H] (the rows of all depths, needs grad), pos [N] (each row's target position, an index into
+    y), y [P, H] (the target's hidden states at those positions), weight [N] (each row's weight in the loss),
+    top [P] / lse [P] (the positions' `target_stats`), Wd [M, H] (the draft's lm_head, frozen or trainable),
+    ids [M], Wt [M, H] (W's rows for ids). Outputs: the loss Σ_n weight_n · kept_n · CE(q_n, p_n), and per-row
+    metrics [N, 4], not differentiable: top-1 agreement with the target's full-vocabulary argmax, Σ min(p_full,
+    q), kept (the target's argmax is a draft token), and the row's CE (0 when not kept).
+    """
+
+    @staticmethod
+    def forward(ctx, x, pos, y, weight, top, lse, Wd, ids, Wt, temperature: float, chunk: int):
+        N, P = x.shape[0], y.shape[0]
+        grad = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+        grad_wd = torch.zeros(Wd.shape, dtype=torch.float32, device=Wd.device) if ctx.needs_input_grad[6] else None
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        metrics = torch.zeros(N, 4, dtype=torch.float32, device=x.device)
+        inside = torch.zeros(int(ids.max()) + 1 if ids.numel() else 1, dtype=torch.bool, device=x.device)
+        inside[ids] = True
+        kept_at = (top < inside.shape[0]) & inside[top.clamp(max=inside.shape[0] - 1)]  # [P]
+        order = torch.argsort(pos, stable=True)  # rows by target position: a chunk's rows are one range
+        starts = torch.searchsorted(pos[order], torch.arange(0, P + chunk, chunk, device=pos.device)).tolist()
+        for c, s in enumerate(range(0, P, chunk)):
+            a, b = starts[c], starts[c + 1]
+            if a == b:
+                continue
+            rows = order[a:b]
+            local = pos[rows] - s
+            p = (y[s:s + chunk].to(Wt.dtype) @ Wt.T).float()  # the target's logits over the draft vocabulary
+            if temperature != 1.0:
+                p.div_(temperature)
+            p_sub = _softmax_(p.clone())[local]  # per row: the target renormalised over the draft vocabulary
+            p_full = p.sub_(lse[s:s + chunk, None]).exp_()[local]  # per row: p_full over the draft vocabulary
+            del p
+            kept = kept_at[s:s + chunk][local]
+            xs = x[rows]
+            d = (xs.to(Wd.dtype) @ Wd.T).float()  # draft logits [n, M]
+            metrics[rows, 0] = (ids[d.argmax(-1)] == top[s:s + chunk][local]).float()
+            metrics[rows, 2] = kept.float()
+            d.sub_(d.logsumexp(-1, keepdim=True))  # log q
+            ce = -(p_sub.unsqueeze(1) @ d.unsqueeze(2)).view(-1) * kept
+            metrics[rows, 3] = ce
+            ws = weight[rows].float() * kept
+            loss += (ws * ce).sum()
+            d.exp_()  # q
+            metrics[rows, 1] = torch.minimum(p_full, d, out=p_full).sum(-1)  # Σ min(p_full, q); q = 0 outside
+            del p_full
+            d.sub_(p_sub).mul_(ws[:, None])  # weighted d CE / d draft logits
+            del p_sub
+            if grad_wd is not None:
+                grad_wd += d.T @ xs.float()
+            if grad is not None:
+                grad[rows] = (d.to(Wd.dtype) @ Wd).to(x.dtype)
+            del d
+        ctx.wd_dtype = Wd.dtype
+        ctx.save_for_backward(grad, grad_wd)
+        ctx.mark_non_differentiable(metrics)
+        return loss, metrics
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_metrics):
+        grad, grad_wd = ctx.saved_tensors
+        scale = grad_loss.float()
+        return (None if grad is None else grad * scale.to(grad.dtype)), None, None, None, None, None, \
+            (None if grad_wd is None else (grad_wd * scale).to(ctx.wd_dtype)), None, None, None, None
+
+
 def _softmax_(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """softmax(logits / T) over the last dim, in place (fp32)."""
     if temperature != 1.0:
@@ -134,7 +207,8 @@ def target_stats(y: torch.Tensor, W: torch.Tensor, temperature: float, chunk: in
             top[s:s + chunk] = logits.argmax(-1)
             if temperature != 1.0:
                 logits.div_(temperature)
-            lse[s:s + chunk] = logits.logsumexp(-1)
+            top_logit = logits.amax(-1, keepdim=True)  # logsumexp in place: half torch.logsumexp's time here
+            lse[s:s + chunk] = logits.sub_(top_logit).exp_().sum(-1).log_().add_(top_logit[:, 0])
             del logits
     return top, lse
 
@@ -188,8 +262,64 @@ def counted_positions(loss_mask: torch.Tensor, lengths: torch.Tensor, depth: int
     return [int(predicted_mask(loss_mask, lengths, j).sum()) for j in range(depth)]
 
 
+def needed_positions(loss_mask: torch.Tensor, lengths: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, T] bool: the target positions whose hidden state some counted anchor reads, at any depth 1..depth
+    (anchor i reads h_{i+1+j} at depth j). A sample's own: it depends on its mask and length only."""
+    T = loss_mask.shape[1]
+    need = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
+    for j in range(depth):
+        w = max(0, T - 1 - j)  # anchors whose target position exists
+        need[:, 1 + j:1 + j + w] |= predicted_mask(loss_mask, lengths, j)[:, :w]
+    return need
+
+
+class TargetStats:
+    """The target's full-vocabulary argmax and logsumexp(W h / T) at the positions the loss reads, per sample.
+
+    They are the one full-vocabulary matmul of a draft-vocabulary step ([positions, V]: 0.66 s of a 2.48 s eagle3
+    step on SmolLM2 at 8 samples, depth 3, on 2 CPU cores), and a function of the sample alone: the store's hidden states, the frozen W, T. So they are
+    computed sample by sample (the same rows in the same order whatever batch a sample lands in, hence the same
+    bits) and, with `max_mb` > 0 and the batch's sample indices, kept for the sample's next visit: from the
+    second epoch on a step skips them. A cached value equals a recomputed one bit for bit, so a resumed run (which
+    starts with an empty cache) matches an uninterrupted one. Only for sources whose hidden states are the
+    same on every visit (the store; not online features, which the trainer does not cache).
+    """
+
+    def __init__(self, W: torch.Tensor, temperature: float, chunk: int, max_mb: float = 0.0):
+        self.W, self.temperature, self.chunk = W, temperature, chunk
+        self.max_bytes = int(max_mb * 2**20)
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sample -> (top int32 [n], lse fp32 [n])
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    def __call__(self, hidden: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, depth: int,
+                 index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """top [B, T] (long) and lse [B, T] (fp32), set at `needed_positions` (elsewhere 0)."""
+        B, T = loss_mask.shape
+        top = torch.zeros(B, T, dtype=torch.long, device=hidden.device)
+        lse = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
+        need = needed_positions(loss_mask, lengths, depth)
+        for b in range(B):
+            n = int(lengths[b])
+            key = None if index is None or not self.max_bytes else int(index[b])
+            got = self.kept.get(key) if key is not None else None
+            if got is not None and got[0].shape[0] == n:
+                self.hits += 1
+                top[b, :n], lse[b, :n] = got[0].to(top.device), got[1].to(lse.device)
+                continue
+            self.misses += 1
+            rows = need[b].nonzero(as_tuple=True)[0]
+            t, l = target_stats(hidden[b, rows], self.W, self.temperature, self.chunk)
+            top[b, rows], lse[b, rows] = t, l
+            if key is not None and self.bytes + 8 * n <= self.max_bytes:
+                self.kept[key] = (top[b, :n].to("cpu", torch.int32), lse[b, :n].cpu())
+                self.bytes += 8 * n
+        return top, lse
+
+
 def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
-              W: torch.Tensor, cfg: LossConfig, ce=None, norm: list[int] | None = None, draft=None
+              W: torch.Tensor, cfg: LossConfig, ce=None, norm: list[int] | None = None, draft=None,
+              stats: "TargetStats | None" = None, index: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted loss over depths for one batch, and its per-depth metrics.
 
@@ -207,31 +337,27 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
     loss (still in the denominator). The metrics stay comparable with a full-vocabulary head: `acc` is the
     draft argmax (as a target id) against the target's full-vocabulary argmax, `accept` Σ min(p_full, q) with
     q zero outside the draft vocabulary, both over all counted positions; `d{k}/in_vocab` is the fraction of
-    counted positions whose target argmax is inside.
+    counted positions whose target argmax is inside. Those need the target's full-vocabulary argmax and
+    logsumexp at every position the loss reads: `stats` (a `TargetStats`, built from `W` and `cfg` when not
+    given) computes them per sample and, given the batch's sample `index` [B], keeps them for the next epoch.
     """
     ce_fn = ce or distill_ce
     sub = draft is not None and draft.ids is not None
     extra = (draft.weight, draft.ids) if sub else ()
     own = {"Wt": draft.target_rows} if sub and draft.target_rows is not None else {}  # eagle3: its own lm_head
     sels = [predicted_mask(loss_mask, lengths, j) for j in range(len(outputs))]
-    stats_at = None
-    if sub and ce is None:
+    shared = sub and ce is None  # every depth in one pass over the target positions (SharedTargetDistill)
+    if shared:
         # each target position's full-vocabulary argmax and logsumexp, once: at depth j anchor i reads h_{i+1+j},
-        # the same h that anchor i+1 reads at depth j-1, so per depth only the draft vocabulary's rows are needed
-        T = loss_mask.shape[1]
-        need = torch.zeros_like(sels[0])
-        for j, sel in enumerate(sels):
-            w = max(0, T - 1 - j)  # anchors whose target position exists
-            need[:, 1 + j:1 + j + w] |= sel[:, :w]
-        rows = need.nonzero(as_tuple=True)
-        top, lse = target_stats(hidden[rows], W, cfg.temperature, cfg.chunk_tokens)
+        # the same h that anchor i+1 reads at depth j-1
+        stats = stats or TargetStats(W, cfg.temperature, cfg.chunk_tokens)
+        top, lse = stats(hidden, loss_mask, lengths, len(outputs), index)
+        need = needed_positions(loss_mask, lengths, len(outputs))
+        at = need.nonzero(as_tuple=True)
         slot = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
-        slot[rows] = torch.arange(top.shape[0], device=need.device)
-
-        def stats_at(j: int, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            w = max(0, T - 1 - j)
-            i = slot[:, 1 + j:1 + j + w][sel[:, :w]]
-            return top[i], lse[i]
+        slot[at] = torch.arange(at[0].shape[0], device=need.device)
+        T = loss_mask.shape[1]
+        rows_x, rows_pos, rows_w, counted = [], [], [], []
     # zero that still depends on the head: a batch with nothing to count backpropagates zeros, not an error
     total = sum(o.sum() for o in outputs).float() * 0.0
     metrics: dict[str, float] = {}
@@ -250,15 +376,32 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
         target[:, :-shift] = hidden[:, shift:]  # h_{i+1+j}
         x, y = h_hat[sel], target[sel]  # [n, H]
         feat_sum = F.smooth_l1_loss(x.float(), y.float(), reduction="none").mean(-1).sum()
-        more = {**({"stats": stats_at(j, sel)} if stats_at is not None else {}), **own}
-        ce_sum, per_row = ce_fn(x, y, W, x.new_full((n,), 1.0 / denom), cfg.temperature, cfg.chunk_tokens, *extra,
-                                **more)
-        total = total + cfg.gamma ** j * (cfg.w_feat * (feat_sum / denom) + cfg.w_logit * ce_sum)
         metrics[f"{key}/feat"] = (feat_sum / n).item()
+        if shared:
+            w = max(0, T - 1 - j)  # anchors whose target position exists (sel is False past them)
+            rows_x.append(x)
+            rows_pos.append(slot[:, 1 + j:1 + j + w][sel[:, :w]])
+            rows_w.append(torch.full((n,), cfg.gamma ** j * cfg.w_logit / denom, device=x.device))
+            counted.append((key, n))
+            total = total + cfg.gamma ** j * cfg.w_feat * (feat_sum / denom)
+            continue
+        ce_sum, per_row = ce_fn(x, y, W, x.new_full((n,), 1.0 / denom), cfg.temperature, cfg.chunk_tokens, *extra,
+                                **own)
+        total = total + cfg.gamma ** j * (cfg.w_feat * (feat_sum / denom) + cfg.w_logit * ce_sum)
         metrics[f"{key}/ce"] = ce_sum.item() if denom == n else ce_sum.item() * denom / n
         metrics[f"{key}/acc"] = per_row[:, 0].mean().item()
         metrics[f"{key}/accept"] = per_row[:, 1].mean().item()
         if sub:
             metrics[f"{key}/in_vocab"] = per_row[:, 2].mean().item()
+    if shared and counted:
+        # a chunk of c positions is read by up to depth x c rows: chunk_tokens // depth positions keep the peak
+        loss, per_row = SharedTargetDistill.apply(
+            torch.cat(rows_x), torch.cat(rows_pos), hidden[at], torch.cat(rows_w), top[at], lse[at], draft.weight,
+            draft.ids, draft.target_weight, cfg.temperature, max(1, cfg.chunk_tokens // len(outputs)))
+        total = total + loss
+        for (key, n), part in zip(counted, per_row.split([n for _, n in counted])):
+            means = part.mean(0).tolist()
+            metrics[f"{key}/acc"], metrics[f"{key}/accept"] = means[0], means[1]
+            metrics[f"{key}/in_vocab"], metrics[f"{key}/ce"] = means[2], means[3]
     metrics["loss"] = total.item()
     return total, metrics

@@ -38,8 +38,9 @@ from mtp_train.train import checkpoint as ckpt
 from mtp_train.train import distributed as dist
 from mtp_train.train.features import FEATURES, open_splits
 from mtp_train.train.data import Collate, head_inputs, length_batches, loader, rank_batches, steps_per_epoch
+from mtp_train.train import subnormals
 from mtp_train.train.log import MetricsLogger
-from mtp_train.train.loss import LossConfig, counted_positions, head_loss
+from mtp_train.train.loss import LossConfig, TargetStats, counted_positions, head_loss
 from mtp_train.train.vocab import DRAFT_VOCAB_JSON, choose_draft_vocab, write_record
 
 PRECISIONS = ("fp32", "bf16")
@@ -74,13 +75,17 @@ class TrainConfig:
     zero_stage: int = 2  # DeepSpeed ZeRO stage 1 | 2 | 3
     activation_checkpointing: bool = False  # recompute the decoder layer's MLP in backward
     features: str = "store"  # store | online | hybrid: where the target's features come from (train/features.py)
+    flush_denormals: bool = True  # CPU training: subnormal floats flushed to zero on every thread (train/subnormals.py)
+    target_stats_cache_mb: float = 1024.0  # per split and rank: the target's argmax / logsumexp per sample, kept
+    #   after its first visit (8 bytes a token; store features only; 0 = recompute every visit; loss.TargetStats)
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
         for name in ("depth", "micro_batch", "grad_accum", "log_every", "bucket"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1")
-        for name in ("steps", "warmup_steps", "eval_every", "eval_batches", "save_every", "num_workers"):
+        for name in ("steps", "warmup_steps", "eval_every", "eval_batches", "save_every", "num_workers",
+                     "target_stats_cache_mb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 0")
         if self.steps == 0 and self.epochs <= 0:
@@ -172,11 +177,12 @@ def autocast_for(precision: str, device: torch.device):
 
 
 def evaluate(head: DraftHead, frozen: FrozenTarget, batches, depth: int, loss_cfg: LossConfig, device,
-             autocast, steps: int | None = None, filler=None) -> dict[str, float]:
+             autocast, steps: int | None = None, filler=None, stats: TargetStats | None = None) -> dict[str, float]:
     """Teacher-forced validation metrics, weighted by counted positions over all batches of all ranks.
 
     `steps`: forward passes to make; past the end of this rank's batches `filler` (a batch) is computed and
-    not counted (ZeRO-3 gathers parameters in every forward, so every rank must make the same number)."""
+    not counted (ZeRO-3 gathers parameters in every forward, so every rank must make the same number).
+    `stats`: the val split's `TargetStats` (the trainer keeps one across its evaluations)."""
     names = metric_names(head)
     sums = torch.zeros(depth, 1 + len(names), dtype=torch.float64)
     was_training = head.training
@@ -185,21 +191,21 @@ def evaluate(head: DraftHead, frozen: FrozenTarget, batches, depth: int, loss_cf
     with torch.no_grad():
         draft = head.draft_lm_head(frozen.lm_head_weight)
         for batch in batches:
-            _evaluate_batch(head, frozen, draft, batch, depth, loss_cfg, device, autocast, sums, names)
+            _evaluate_batch(head, frozen, draft, batch, depth, loss_cfg, device, autocast, sums, names, stats)
             done += 1
         while steps is not None and done < steps:
-            _evaluate_batch(head, frozen, draft, filler, depth, loss_cfg, device, autocast, None, names)
+            _evaluate_batch(head, frozen, draft, filler, depth, loss_cfg, device, autocast, None, names, stats)
             done += 1
     head.train(was_training)
     return _averages(dist.all_reduce_sum(sums.to(device)).cpu(), depth, names)
 
 
-def _evaluate_batch(head, frozen, draft, batch, depth, loss_cfg, device, autocast, sums, names) -> None:
+def _evaluate_batch(head, frozen, draft, batch, depth, loss_cfg, device, autocast, sums, names, stats=None) -> None:
     batch = {k: v.to(device) for k, v in batch.items()}
     with autocast():
         outs = unrolled(head, frozen.embed, head_inputs(batch), batch["input_ids"], batch["lengths"], depth)
     _, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
-                     frozen.lm_head_weight, loss_cfg, draft=draft)
+                     frozen.lm_head_weight, loss_cfg, draft=draft, stats=stats, index=batch.get("index"))
     if sums is not None:
         _add_weighted(sums, m, depth, names)
 
@@ -243,6 +249,12 @@ class Trainer:
             self.draft_vocab = choose_draft_vocab(self.train_store, cfg.head.draft_vocab, self.target_config.vocab_size)
             self.head.set_draft_vocab(self.draft_vocab.ids, self.frozen.lm_head_weight)
         self.metric_names = metric_names(self.head)
+        # the target's full-vocabulary argmax / logsumexp per sample, kept across epochs (store features only:
+        # online ones are recomputed on every visit, so their stats are too)
+        self.target_stats = {
+            split: TargetStats(self.frozen.lm_head_weight, self.tc.loss.temperature, self.tc.loss.chunk_tokens,
+                               0.0 if getattr(reader, "in_process", False) else self.tc.target_stats_cache_mb)
+            for split, reader in (("train", self.train_store), ("val", self.val_store))}
         for reader in (self.train_store, self.val_store):  # a store without the layers an eagle3 head reads
             Collate(reader, self.head.aux_layers)
         tc = self.tc
@@ -460,7 +472,8 @@ class Trainer:
         if self.strategy == "deepspeed" and self.tc.zero_stage == 3 and batches:  # equal forward counts
             steps, filler = math.ceil(len(batches) / self.world), Collate(self.val_store, aux)(batches[0])
         m = evaluate(self.head, self.frozen, loader(self.val_store, batches[self.rank::self.world], aux=aux),
-                     self.tc.depth, self.tc.loss, self.device, self.autocast, steps=steps, filler=filler)
+                     self.tc.depth, self.tc.loss, self.device, self.autocast, steps=steps, filler=filler,
+                     stats=self.target_stats["val"])
         self.log.log({f"val/{k}": v for k, v in m.items()}, self.step,
                      console=f"val step {self.step}: {format_eval(m, self.tc.depth)}")
         return m
@@ -499,7 +512,8 @@ class Trainer:
                     outs = self.engine.forward(self.frozen.embed, head_inputs(batch), batch["input_ids"],
                                                batch["lengths"], tc.depth)
                 loss, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
-                                    self.frozen.lm_head_weight, tc.loss, norm=norm, draft=draft)
+                                    self.frozen.lm_head_weight, tc.loss, norm=norm, draft=draft,
+                                    stats=self.target_stats["train"], index=batch["index"])
                 if not torch.isfinite(loss):
                     bad.append(where[i])
                 self.engine.backward(loss)  # every rank makes the same calls, whatever its loss
@@ -530,6 +544,10 @@ class Trainer:
         return out
 
     def fit(self) -> dict:
+        with subnormals.flushed(self.tc.flush_denormals and self.device.type == "cpu"):
+            return self._fit()
+
+    def _fit(self) -> dict:
         from tqdm import tqdm
 
         tc = self.tc

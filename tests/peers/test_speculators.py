@@ -94,9 +94,13 @@ def test_it_trains_two_steps_with_the_cpu_adjustments(peers):
     assert set(replaced) == {"speculators.train.trainer:get_local_rank", "torch:accelerator.synchronize",
                              "speculators.train.trainer:Trainer.__init__",
                              "speculators.train.trainer:Trainer._optimizers_step",
-                             "speculators.train.data:CollateFn.__call__"}
+                             "speculators.train.data:CollateFn.__call__",
+                             *(f"speculators.train.trainer:Trainer.{n}" for n in
+                               ("maybe_save_checkpoint", "val_epoch", "maybe_update_best"))}
     assert all(v["calls"] > 0 for v in replaced.values()), replaced
     assert len(rec["step_end_s"]) == 2 and len(rec["step_tokens"]) == 2 and all(0 < t <= 1024 for t in rec["step_tokens"])
+    assert rec["outside_s"] and all(a <= b for a, b in rec["outside_s"])
+    assert rec["outside_s"][0][0] >= rec["step_end_s"][-1]  # the epoch's checkpoint and validation follow its steps
     ckpt = out / "checkpoints" / "checkpoint_best"
     config = json.loads((ckpt / "config.json").read_text())
     assert config["draft_vocab_size"] == peers["draft_vocab"]
