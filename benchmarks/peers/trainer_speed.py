@@ -13,7 +13,8 @@ median over rounds; the ratios are of medians.
 stay inside the first epoch of SmolLM2's 495 train samples; 150 steps (`side_by_side.py`'s budget) are 2.4
 epochs, where our trainer reads the target's full-vocabulary stats it kept from the first (`loss.TargetStats`);
 `--variants NAME=OVERRIDE,...` times further runs of ours (that cache off; subnormal floats kept, which our
-trainer flushes on CPUs), `--trainers` picks who runs. Writes benchmarks/results/peers-trainer_speed[-<steps>].json (no suffix for 20 steps) and prints the table.
+trainer flushes on CPUs), `--trainers` picks who runs. Writes
+benchmarks/results/peers-trainer_speed[-<steps>][-<tag>].json (no step suffix for 20 steps) and prints the table.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--trainers", nargs="+", default=["ours", "speculators", "specforge"],
                     choices=["ours", "speculators", "specforge"])
     ap.add_argument("--variants", nargs="*", default=[], help="further runs of ours: NAME=OVERRIDE,OVERRIDE,...")
+    ap.add_argument("--tag", default="", help="a suffix for the JSON's name (a later run beside an earlier one)")
     args = ap.parse_args()
     args.base, args.work, args.data = args.base.resolve(), args.work.resolve(), args.data.resolve()
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -87,8 +89,8 @@ def main() -> None:
     for n, v in rounds.items():
         print(f"{n:<18}" + "".join(f"{x['tokens_per_s']:>9.0f}" for x in v) + f"   median {median[n]:.0f}"
               + f"   ours / this {median['ours'] / median[n]:.2f}" * ("ours" in median))
-    out = HERE.parent / "results" / ("peers-trainer_speed.json" if args.steps == 20 else
-                                     f"peers-trainer_speed-{args.steps}.json")
+    name = "peers-trainer_speed" + ("" if args.steps == 20 else f"-{args.steps}") + (f"-{args.tag}" if args.tag else "")
+    out = HERE.parent / "results" / f"{name}.json"
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": machine(torch.get_num_threads()),
                                "command": command("peers/trainer_speed.py", args), "matched_overrides": matched,
                                "variants": variants, "rounds": rounds, "median_tokens_per_s": median,

@@ -12,7 +12,9 @@ bf16 matmul, so they carry bf16 rounding (~0.4% relative) before the fp32 softma
 With a draft vocabulary (`head.draft_vocab`) the draft's logits are formed over its tokens only (the head's
 `DraftLMHead`); the target's are still formed over the full vocabulary once per sample, for its argmax and for
 the expected acceptance (`TargetStats`, kept across epochs), so the metrics mean what they mean for a
-full-vocabulary head (see `head_loss`).
+full-vocabulary head (see `head_loss`). Every depth's rows then go through one `SharedTargetDistill` pass,
+chunked by target position: the target's distribution over the draft vocabulary is formed once per position for
+all the depths that read it.
 """
 
 from __future__ import annotations
