@@ -46,59 +46,37 @@ class LossConfig:
 
 
 class ChunkedDistill(torch.autograd.Function):
-    """sum_n weight_n · CE(q_n, p_n) over rows, plus metrics.
+    """sum_n weight_n · CE(q_n, p_n) over rows, plus metrics, over the full vocabulary (a draft vocabulary goes
+    through `SharedTargetDistill`; `distill_ce` picks).
 
     Inputs: x [N, H] (the head's ĥ, needs grad), y [N, H] (the target's h_next), W [V, H] frozen, weight [N];
-    with a draft vocabulary also Wd [M, H] (the draft's lm_head: W's rows, frozen, or an eagle3 head's own,
-    trainable), ids [M] (their target ids) and Wt [M, H] (W's rows for them; Wd when not given).
-    Full vocabulary: q = softmax(W x), p = softmax(W y / T). Draft vocabulary: q = softmax(Wd x) over the M
-    draft tokens and p the target's distribution renormalised over them, softmax((Wt y) / T); a row whose
-    target argmax (over the full vocabulary) is outside contributes no loss and no gradient. A trainable Wd gets
-    its gradient too (Σ_rows (q - p) x^T, formed chunk by chunk like x's).
+    q = softmax(W x), p = softmax(W y / T).
     Outputs: loss (scalar, differentiable in x), and per-row metrics [N, 3], not differentiable: top-1
-    agreement of the draft's argmax (as a target id) with the target's full-vocabulary argmax; expected
-    acceptance Σ_x min(p_full(x), q(x)) with p_full = softmax(W y / T) and q zero outside the draft vocabulary;
-    whether the target's argmax is inside the draft vocabulary (always 1 without one).
+    agreement of the draft's argmax with the target's; expected acceptance Σ_x min(p(x), q(x)); 1 (the
+    target's argmax is always inside).
     """
 
     @staticmethod
-    def forward(ctx, x, y, W, weight, temperature: float, chunk: int, Wd=None, ids=None, stats=None, Wt=None):
+    def forward(ctx, x, y, W, weight, temperature: float, chunk: int):
         N = x.shape[0]
-        if Wd is not None and ctx.needs_input_grad[6] and ids is None:
-            raise NotImplementedError("a trainable lm_head is supported over a draft vocabulary (ids) only")
         grad = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
-        grad_wd = torch.zeros(Wd.shape, dtype=torch.float32, device=Wd.device) if ctx.needs_input_grad[6] else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         metrics = torch.ones(N, 3, dtype=torch.float32, device=x.device)
-        inside = None
-        if ids is not None:  # [V] bool: target ids in the draft vocabulary
-            inside = torch.zeros(W.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, ids, True)
         for s in range(0, N, chunk):
             xs, ys, ws = x[s:s + chunk], y[s:s + chunk], weight[s:s + chunk].float()
-            if ids is None:
-                part, g = _full_chunk(xs, ys, W, ws, temperature, metrics[s:s + chunk])
-            else:
-                st = None if stats is None else (stats[0][s:s + chunk], stats[1][s:s + chunk])
-                part, g = _draft_chunk(xs, ys, W, Wd, ids, inside, ws, temperature, metrics[s:s + chunk], st,
-                                       Wd if Wt is None else Wt)
-                if grad_wd is not None:  # d loss / d Wd = Σ_rows g_row x_row^T
-                    grad_wd += g.float().T @ xs.float()
-                g = g.to(Wd.dtype) @ Wd
+            part, g = _full_chunk(xs, ys, W, ws, temperature, metrics[s:s + chunk])
             loss += part
             if grad is not None:
                 grad[s:s + chunk] = g.to(x.dtype)
             del g
-        ctx.wd_dtype = None if Wd is None else Wd.dtype
-        ctx.save_for_backward(grad, grad_wd)
+        ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
     @staticmethod
     def backward(ctx, grad_loss, grad_metrics):
-        grad, grad_wd = ctx.saved_tensors
-        scale = grad_loss.float()
-        return (None if grad is None else grad * scale.to(grad.dtype)), None, None, None, None, None, \
-            (None if grad_wd is None else (grad_wd * scale).to(ctx.wd_dtype)), None, None, None
+        (grad,) = ctx.saved_tensors
+        return (None if grad is None else grad * grad_loss.float().to(grad.dtype)), *[None] * 5
 
 
 class SharedTargetDistill(torch.autograd.Function):
@@ -107,7 +85,7 @@ class SharedTargetDistill(torch.autograd.Function):
     At depth j anchor i reads target position i+1+j, which anchor i+1 reads at depth j-1: the target's logits
     over the draft vocabulary (Wt y / T), its distribution renormalised over them and p_full are formed once per
     target position, chunk by chunk of positions, for every row (of any depth) that reads it, instead of once per
-    row. The same loss, gradients and metrics as `ChunkedDistill` with a draft vocabulary, depth by depth.
+    row. `distill_ce` with a draft vocabulary is the case of one row per position.
     Inputs: x [N, H] (the rows of all depths, needs grad), pos [N] (each row's target position, an index into
     y), y [P, H] (the target's hidden states at those positions), weight [N] (each row's weight in the loss),
     top [P] / lse [P] (the positions' `target_stats`), Wd [M, H] (the draft's lm_head, frozen or trainable),
@@ -215,37 +193,20 @@ def target_stats(y: torch.Tensor, W: torch.Tensor, temperature: float, chunk: in
     return top, lse
 
 
-def _draft_chunk(xs, ys, W, Wd, ids, inside, ws, temperature, metrics, stats=None, Wt=None):
-    """One chunk over a draft vocabulary of M tokens: three [n, M] fp32 buffers, and one [n, V] unless `stats`
-    (the rows' `target_stats`) is given. Fills metrics[:, :3]; returns the chunk's weighted loss and its
-    gradient with respect to the draft logits Wd xs, [n, M] fp32 (the caller chains it to xs and Wd)."""
-    if stats is None:
-        stats = target_stats(ys, W, temperature, ys.shape[0])
-    top_p, lse = stats
-    kept = inside[top_p]  # the target's argmax is a draft token
-    ws = ws * kept
-    Wt = Wd if Wt is None else Wt
-    p = (ys.to(Wt.dtype) @ Wt.T).float()  # target logits over the draft vocabulary [n, M]
-    if temperature != 1.0:
-        p.div_(temperature)
-    p_sub = _softmax_(p.clone())  # the target renormalised over the draft vocabulary
-    p.sub_(lse[:, None]).exp_()  # p_full over the draft vocabulary
-    d = (xs.to(Wd.dtype) @ Wd.T).float()  # draft logits [n, M]
-    metrics[:, 0] = (ids[d.argmax(-1)] == top_p).float()
-    metrics[:, 2] = kept.float()
-    d.sub_(d.logsumexp(-1, keepdim=True))  # log q
-    loss = -(ws * (p_sub.unsqueeze(1) @ d.unsqueeze(2)).view(-1)).sum()
-    d.exp_()  # q
-    metrics[:, 1] = torch.minimum(p, d, out=p).sum(-1)  # Σ min(p_full, q); q = 0 outside
-    del p
-    d.sub_(p_sub)  # q - p_sub = d CE / d draft logits
-    return loss, d.mul_(ws[:, None])
-
-
-def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=None, ids=None, stats=None, Wt=None):
-    """`stats`: the rows' `target_stats(y, W, temperature)`, when the caller has them (draft vocabulary only);
-    `Wt`: W's rows of the draft vocabulary when the draft's lm_head `Wd` is the head's own."""
-    return ChunkedDistill.apply(x, y, W, weight, temperature, chunk, Wd, ids, stats, Wt)
+def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=None, ids=None, Wt=None):
+    """The distribution term of rows x [N, H] against target states y [N, H]: over the full vocabulary
+    (`ChunkedDistill`), or with a draft vocabulary (`ids`, the draft's lm_head `Wd`, trainable or W's rows, and
+    `Wt`, W's rows of the draft vocabulary when `Wd` is the head's own) through `SharedTargetDistill`, each row
+    reading its own target position. -> (loss, per-row metrics [N, 3]: acc, accept, in_vocab)."""
+    if ids is None:
+        if Wd is not None and Wd.requires_grad:
+            raise NotImplementedError("a trainable lm_head is supported over a draft vocabulary (ids) only")
+        return ChunkedDistill.apply(x, y, W, weight, temperature, chunk)
+    top, lse = target_stats(y, W, temperature, chunk)
+    pos = torch.arange(x.shape[0], device=x.device)
+    loss, metrics = SharedTargetDistill.apply(x, pos, y, weight, top, lse, Wd, ids, Wd if Wt is None else Wt,
+                                              temperature, chunk)
+    return loss, metrics[:, :3]
 
 
 def predicted_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, depth_index: int) -> torch.Tensor:
