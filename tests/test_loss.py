@@ -35,6 +35,56 @@ def test_chunked_loss_equals_direct(chunk, temperature):
     torch.testing.assert_close(metrics[:, 1], torch.minimum(p, q).sum(-1))
 
 
+@pytest.mark.parametrize("accept_weight", [0.3, 1.0])
+def test_the_lk_term_has_the_value_and_gradient_of_its_formula(accept_weight):
+    """`accept_weight` w: each row's term is (1 - w) CE(q, p) + w (-log α), α = Σ min(p, q); autograd through
+    that formula gives the same loss and gradient, and the metrics stay the CE's argmax agreement and α."""
+    torch.manual_seed(5)
+    N, Hd, V = 37, 16, 83
+    W, y, weight = torch.randn(V, Hd), torch.randn(N, Hd), torch.rand(N)
+    x1 = torch.randn(N, Hd, requires_grad=True)
+    x2 = x1.detach().double().requires_grad_(True)  # the formula in float64: -log α's gradient, (1[q < p] - A)
+    loss, metrics = distill_ce(x1, y, W, weight, 1.0, 8, accept_weight=accept_weight)  # / α, is the less exact
+    log_q = torch.log_softmax(x2 @ W.double().T, -1)
+    p = torch.softmax(y.double() @ W.double().T, -1)
+    alpha = torch.minimum(p, log_q.exp()).sum(-1)
+    ref = (weight * ((1 - accept_weight) * -(p * log_q).sum(-1) - accept_weight * alpha.log())).sum()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    (2.5 * loss).backward()
+    (2.5 * ref).backward()
+    assert x2.grad.abs().max() > 1
+    torch.testing.assert_close(x1.grad.double(), x2.grad, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(metrics[:, 1].double(), alpha.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics[:, 0], (log_q.argmax(-1) == p.argmax(-1)).float())
+
+
+def test_the_lk_term_raises_acceptance_where_cross_entropy_trades_it_away():
+    """The case the LK loss is for: a draft that cannot represent the target. Its own lm_head (a draft vocabulary
+    of 3 tokens) gives logits (s, 0, -s), one degree of freedom, against p = (0.6, 0.05, 0.35). Fitted by
+    gradient descent through `distill_ce`, cross-entropy stops at its optimum (s = 0.38, α = 0.732); the
+    acceptance objective goes on to the higher α of s = 0.78 (0.775)."""
+    p = torch.tensor([0.6, 0.05, 0.35])
+    W = torch.stack([p.log(), torch.zeros(3)], -1)  # the target: softmax(W y) = p at y = (1, 0)
+    y, ids = torch.tensor([[1.0, 0.0]]), torch.arange(3)
+    Wd = torch.tensor([[1.0, 0.0], [0.0, 0.0], [-1.0, 0.0]])  # the draft's own lm_head
+
+    def fit(w):
+        x = torch.tensor([[0.1, 0.0]], requires_grad=True)  # s = 0 is a stationary point of α
+        opt = torch.optim.SGD([x], lr=0.3)
+        decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / 400)  # α has a kink at its optimum
+        for _ in range(400):
+            loss, metrics = distill_ce(x, y, W, torch.ones(1), 1.0, 8, Wd, ids, W, accept_weight=w)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            decay.step()
+        return x[0, 0].item(), metrics[0, 1].item()
+
+    (s_ce, a_ce), (s_lk, a_lk) = fit(0.0), fit(1.0)
+    assert s_ce == pytest.approx(0.38, abs=0.01) and a_ce == pytest.approx(0.732, abs=0.001)
+    assert s_lk == pytest.approx(0.78, abs=0.04) and a_lk == pytest.approx(0.775, abs=0.003)
+
+
 def test_identical_distributions_accept_everything():
     torch.manual_seed(1)
     W, y = torch.randn(50, 8), torch.randn(10, 8)
@@ -83,7 +133,7 @@ def test_head_loss_matches_formula():
 
 
 @pytest.mark.parametrize("bad", [dict(w_feat=-1.0), dict(w_feat=0.0, w_logit=0.0), dict(temperature=0.0),
-                                 dict(gamma=1.5), dict(chunk_tokens=0)])
+                                 dict(gamma=1.5), dict(chunk_tokens=0), dict(accept_weight=1.5)])
 def test_bad_loss_config(bad):
     with pytest.raises(ValueError, match="loss\\."):
         LossConfig(**bad)

@@ -4,7 +4,7 @@ judged by vLLM on the recipe's held-out prompts; and each trainer's tokens/s at 
     python benchmarks/peers/side_by_side.py --base runs/smol-e3sd --steps 150 --micro-batch 8 --depth 3 \\
         [--lr 2e-3] [--warmup 20] [--ks 3 5] [--prompts 8] [--new-tokens 64] \\
         [--variants norms=head.norm_before_residual=true,head.norm_before_fc=true] [--peer-norms] \\
-        [--judge mtp=eagle:runs/smollm2-135m/export/vllm-mtp] [--reuse]
+        [--judge mtp=eagle:runs/smollm2-135m/export/vllm-mtp] [--reuse] [--tag T] [--no-engine]
 
 `--base`: a prepared and precomputed run of `--recipe` (default smollm2-135m) with an eagle3 head whose store also
 holds layer L (the last layer's output before the final norm: `store.layers=[30]` for SmolLM2). Steps:
@@ -22,7 +22,9 @@ holds layer L (the last layer's output before the final norm: `store.layers=[30]
 --norm-output`, its defaults), the peers' side of a head of ours with the norms (SpecForge's EAGLE-3 layer has
 none of them); `--judge NAME=METHOD:DIR` has vLLM serve an export already made (the recipe's `vllm-mtp` head,
 through our plugin, method eagle); `--reuse` keeps a head already trained in `--work` (its record and export)
-instead of training it again.
+instead of training it again; `--tag T` writes peers-side_by_side-T.json and vLLM's outputs under --work/vllm-T
+(a re-judging of heads already made, `--only --judge ...`, keeps the earlier figures); `--no-engine` leaves our
+engine's decoding of our heads out (vLLM's figures only).
 
 Writes benchmarks/results/peers-side_by_side.json and prints the tables. Tokens/s: real (unpadded) tokens of
 steps 2..N over their wall time (the first step compiles or warms up), torch threads = 2.
@@ -225,7 +227,8 @@ def judge(args, heads: dict, cfg, work: Path) -> dict:
     python = str(ROOT / ".venv-vllm" / "bin" / "python")
     prompts, source = held_out_prompts(Path(cfg.run_dir) / "data", args.prompts, cfg.validate.max_prompt_tokens)
     target = str(Path(cfg.target.path).resolve())
-    alone = run_vllm(python, target, prompts, work / "vllm" / "target.json", args.new_tokens, "float32")
+    folder = work / ("vllm" if not args.tag else f"vllm-{args.tag}")
+    alone = run_vllm(python, target, prompts, folder / "target.json", args.new_tokens, "float32")
     if "error" in alone:
         raise RuntimeError(f"vLLM target-only: {alone['error']}")
     results = {}
@@ -234,7 +237,7 @@ def judge(args, heads: dict, cfg, work: Path) -> dict:
             results[name] = {"head": name, "error": f"not exported: {head['not_exported']}"}
             continue
         for k in args.ks:
-            spec = run_vllm(python, target, prompts, work / "vllm" / f"{name}-k{k}.json", args.new_tokens, "float32",
+            spec = run_vllm(python, target, prompts, folder / f"{name}-k{k}.json", args.new_tokens, "float32",
                             (head.get("method", "eagle3"), str(head["export"]), k))
             entry = {"head": name, "k": k, "error": spec.get("error")}
             if "error" not in spec:
@@ -243,7 +246,7 @@ def judge(args, heads: dict, cfg, work: Path) -> dict:
                 entry.update({"greedy_identical": sum(a == b for a, b in zip(spec["tokens"], alone["tokens"])),
                               "prompts": len(prompts), "acceptance": rate, "tau": 1 + sum(rate), "steps": steps,
                               "seconds": spec.get("seconds")})
-                if head.get("cfg") is not None:
+                if head.get("cfg") is not None and not args.no_engine:
                     mine = ours_engine(head["cfg"], prompts, k, args.new_tokens, head["export"])
                     c = compare(mine, alone, spec, k)
                     entry.update({"ours_engine_acceptance": c["ours_acceptance"],
@@ -281,6 +284,10 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=["ours", "speculators", "specforge"])
     ap.add_argument("--no-base", action="store_true", help="only the variants and --peer-norms heads (another seed)")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--no-engine", action="store_true", help="vLLM only: leave out our engine's decoding of our "
+                    "heads (minutes per head on this CPU at 48 prompts)")
+    ap.add_argument("--tag", default=None, help="names the JSON (peers-side_by_side-TAG.json) and vLLM's folder "
+                    "(--work/vllm-TAG), so a re-judging with other prompts keeps the earlier figures")
     args = ap.parse_args()
     args.base, args.work = args.base.resolve(), args.work.resolve()
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -324,8 +331,8 @@ def main() -> None:
         print(f"{name}: {h['speed']}" + (f"; teacher-forced acc d1..: "
                                          + " ".join(f"{a:.3f}" for a in tf["accuracy_by_depth"]) if tf else ""),
               flush=True)
-    out = HERE.parent / "results" / ("peers-side_by_side.json" if args.seed == 0 else
-                                      f"peers-side_by_side-seed{args.seed}.json")
+    out = HERE.parent / "results" / ("peers-side_by_side.json" if args.seed == 0 and not args.tag else
+                                      f"peers-side_by_side-{args.tag or f'seed{args.seed}'}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     save(out, args, matched, peers, heads, None)  # the training figures, before vLLM's
     if not args.skip_vllm:

@@ -32,6 +32,10 @@ class LossConfig:
     temperature: float = 1.0  # of the target distribution p
     gamma: float = 0.8  # depth j weighs gamma**j
     chunk_tokens: int = 1024  # positions per softmax chunk (peak memory ~ chunk_tokens x vocab x 4 bytes x 4)
+    # LK loss (arXiv 2602.23881, its negative log-acceptance form): a row's distribution term is
+    # (1 - w) · CE(q, p) + w · (-log α), α = Σ_x min(p_full(x), q(x)), the expected acceptance of the draft
+    # token at T = 1; 0 is the soft cross-entropy alone, 1 the acceptance alone
+    accept_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.w_feat < 0 or self.w_logit < 0 or self.w_feat + self.w_logit == 0:
@@ -43,6 +47,8 @@ class LossConfig:
             raise ValueError(f"loss.gamma={self.gamma}: must be in (0, 1]")
         if self.chunk_tokens < 1:
             raise ValueError(f"loss.chunk_tokens={self.chunk_tokens}: must be >= 1")
+        if not 0 <= self.accept_weight <= 1:
+            raise ValueError(f"loss.accept_weight={self.accept_weight}: must be in [0, 1]")
 
 
 class ChunkedDistill(torch.autograd.Function):
@@ -57,14 +63,14 @@ class ChunkedDistill(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, W, weight, temperature: float, chunk: int):
+    def forward(ctx, x, y, W, weight, temperature: float, chunk: int, accept_weight: float = 0.0):
         N = x.shape[0]
         grad = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         metrics = torch.ones(N, 3, dtype=torch.float32, device=x.device)
         for s in range(0, N, chunk):
             xs, ys, ws = x[s:s + chunk], y[s:s + chunk], weight[s:s + chunk].float()
-            part, g = _full_chunk(xs, ys, W, ws, temperature, metrics[s:s + chunk])
+            part, g = _full_chunk(xs, ys, W, ws, temperature, metrics[s:s + chunk], accept_weight)
             loss += part
             if grad is not None:
                 grad[s:s + chunk] = g.to(x.dtype)
@@ -76,7 +82,7 @@ class ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_metrics):
         (grad,) = ctx.saved_tensors
-        return (None if grad is None else grad * grad_loss.float().to(grad.dtype)), *[None] * 5
+        return (None if grad is None else grad * grad_loss.float().to(grad.dtype)), *[None] * 6
 
 
 class SharedTargetDistill(torch.autograd.Function):
@@ -95,7 +101,8 @@ class SharedTargetDistill(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, pos, y, weight, top, lse, Wd, ids, Wt, temperature: float, chunk: int):
+    def forward(ctx, x, pos, y, weight, top, lse, Wd, ids, Wt, temperature: float, chunk: int,
+                accept_weight: float = 0.0):
         N, P = x.shape[0], y.shape[0]
         grad = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         grad_wd = torch.zeros(Wd.shape, dtype=torch.float32, device=Wd.device) if ctx.needs_input_grad[6] else None
@@ -127,12 +134,18 @@ class SharedTargetDistill(torch.autograd.Function):
             ce = -(p_sub.unsqueeze(1) @ d.unsqueeze(2)).view(-1) * kept
             metrics[rows, 3] = ce
             ws = weight[rows].float() * kept
-            loss += (ws * ce).sum()
             d.exp_()  # q
-            metrics[rows, 1] = torch.minimum(p_full, d, out=p_full).sum(-1)  # Σ min(p_full, q); q = 0 outside
-            del p_full
-            d.sub_(p_sub).mul_(ws[:, None])  # weighted d CE / d draft logits
-            del p_sub
+            if accept_weight:  # the LK term: -log α and its gradient; α = Σ min(p_full, q), q = 0 outside
+                lk, lk_grad, metrics[rows, 1] = _accept_term(d, p_full)
+                loss += (ws * ((1 - accept_weight) * ce + accept_weight * lk)).sum()
+                d.sub_(p_sub).mul_(1 - accept_weight).add_(lk_grad, alpha=accept_weight)
+                del lk_grad
+            else:
+                loss += (ws * ce).sum()
+                metrics[rows, 1] = torch.minimum(p_full, d, out=p_full).sum(-1)  # Σ min(p_full, q); q = 0 outside
+                d.sub_(p_sub)  # d CE / d draft logits
+            del p_full, p_sub
+            d.mul_(ws[:, None])  # weighted d loss / d draft logits
             if grad_wd is not None:
                 grad_wd += d.T @ xs.float()
             if grad is not None:
@@ -148,7 +161,7 @@ class SharedTargetDistill(torch.autograd.Function):
         grad, grad_wd = ctx.saved_tensors
         scale = grad_loss.float()
         return (None if grad is None else grad * scale.to(grad.dtype)), None, None, None, None, None, \
-            (None if grad_wd is None else (grad_wd * scale).to(ctx.wd_dtype)), None, None, None, None
+            (None if grad_wd is None else (grad_wd * scale).to(ctx.wd_dtype)), None, None, None, None, None
 
 
 def _softmax_(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -159,19 +172,43 @@ def _softmax_(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return logits.div_(logits.sum(-1, keepdim=True))
 
 
-def _full_chunk(xs, ys, W, ws, temperature, metrics):
-    """One chunk over the full vocabulary: two [n, V] fp32 buffers, transformed in place. Fills metrics[:, :2];
-    returns the chunk's weighted loss and its gradient with respect to xs."""
+ACCEPT_FLOOR = 1e-4  # -log α divides its gradient by max(α, this): a row the draft misses entirely stays bounded
+
+
+def _accept_term(q: torch.Tensor, p: torch.Tensor):
+    """The LK term of rows q [n, M] (the draft's distribution) against p [n, M] (the target's probabilities of
+    the same tokens, p_full: over a draft vocabulary they sum to below 1): (-log α [n], its gradient with
+    respect to the draft's logits [n, M], α [n]), α = Σ min(p, q), the chance that a token drawn from q is
+    accepted at T = 1. dα/dz_k = q_k (1[q_k < p_k] - A), A = Σ_{x: q_x < p_x} q_x: raising the logit of a token
+    the draft under-weights buys acceptance, less the mass it takes from the other under-weighted tokens. One
+    [n, M] buffer besides q and p, which are left as they are."""
+    under = (q < p).to(q.dtype)  # tokens where raising q raises α
+    a = (under.unsqueeze(1) @ q.unsqueeze(2)).view(-1)  # Σ_under q
+    alpha = a + p.sum(-1) - (under.unsqueeze(1) @ p.unsqueeze(2)).view(-1)  # Σ_under q + Σ_rest p
+    floored = alpha.clamp_min(ACCEPT_FLOOR)
+    grad = under.sub_(a[:, None]).mul_(q).div_(-floored[:, None])  # d(-log α) / dz
+    return -floored.log(), grad, alpha
+
+
+def _full_chunk(xs, ys, W, ws, temperature, metrics, accept_weight: float = 0.0):
+    """One chunk over the full vocabulary: two [n, V] fp32 buffers (three with the LK term), transformed in
+    place. Fills metrics[:, :2]; returns the chunk's weighted loss and its gradient with respect to xs."""
     p = (ys.to(W.dtype) @ W.T).float()  # target logits [n, V]
     top_p = p.argmax(-1)
     _softmax_(p, temperature)  # p = softmax(W y / T)
     d = (xs.to(W.dtype) @ W.T).float()  # draft logits [n, V]
     metrics[:, 0] = (d.argmax(-1) == top_p).float()
     d.sub_(d.logsumexp(-1, keepdim=True))  # log q
-    loss = -(ws * (p.unsqueeze(1) @ d.unsqueeze(2)).view(-1)).sum()  # Σ p log q without a temporary
-    d.exp_().sub_(p)  # q - p = d CE / d logits (Σp = 1)
-    metrics[:, 1] = 1 - 0.5 * torch.linalg.vector_norm(d, ord=1, dim=-1)  # Σ min(p, q)
-    return loss, d.mul_(ws[:, None]).to(W.dtype) @ W  # chain through x @ W.T
+    ce = -(p.unsqueeze(1) @ d.unsqueeze(2)).view(-1)  # Σ p log q without a temporary
+    if accept_weight:
+        lk, lk_grad, metrics[:, 1] = _accept_term(d.exp_(), p)
+        ce = (1 - accept_weight) * ce + accept_weight * lk
+        d.sub_(p).mul_(1 - accept_weight).add_(lk_grad, alpha=accept_weight)
+        del lk_grad
+    else:
+        d.exp_().sub_(p)  # q - p = d CE / d logits (Σp = 1)
+        metrics[:, 1] = 1 - 0.5 * torch.linalg.vector_norm(d, ord=1, dim=-1)  # Σ min(p, q)
+    return (ws * ce).sum(), d.mul_(ws[:, None]).to(W.dtype) @ W  # chain through x @ W.T
 
 
 def target_stats(y: torch.Tensor, W: torch.Tensor, temperature: float, chunk: int
@@ -193,7 +230,8 @@ def target_stats(y: torch.Tensor, W: torch.Tensor, temperature: float, chunk: in
     return top, lse
 
 
-def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=None, ids=None, Wt=None):
+def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=None, ids=None, Wt=None,
+               accept_weight: float = 0.0):
     """The distribution term of rows x [N, H] against target states y [N, H]: over the full vocabulary
     (`ChunkedDistill`), or with a draft vocabulary (`ids`, the draft's lm_head `Wd`, trainable or W's rows, and
     `Wt`, W's rows of the draft vocabulary when `Wd` is the head's own) through `SharedTargetDistill`, each row
@@ -201,11 +239,11 @@ def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=
     if ids is None:
         if Wd is not None and Wd.requires_grad:
             raise NotImplementedError("a trainable lm_head is supported over a draft vocabulary (ids) only")
-        return ChunkedDistill.apply(x, y, W, weight, temperature, chunk)
+        return ChunkedDistill.apply(x, y, W, weight, temperature, chunk, accept_weight)
     top, lse = target_stats(y, W, temperature, chunk)
     pos = torch.arange(x.shape[0], device=x.device)
     loss, metrics = SharedTargetDistill.apply(x, pos, y, weight, top, lse, Wd, ids, Wd if Wt is None else Wt,
-                                              temperature, chunk)
+                                              temperature, chunk, accept_weight)
     return loss, metrics[:, :3]
 
 
@@ -348,8 +386,9 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
             counted.append((key, n))
             total = total + cfg.gamma ** j * cfg.w_feat * (feat_sum / denom)
             continue
+        lk = {"accept_weight": cfg.accept_weight} if cfg.accept_weight else {}  # a `ce` replacement may not take it
         ce_sum, per_row = ce_fn(x, y, W, x.new_full((n,), 1.0 / denom), cfg.temperature, cfg.chunk_tokens, *extra,
-                                **own)
+                                **own, **lk)
         total = total + cfg.gamma ** j * (cfg.w_feat * (feat_sum / denom) + cfg.w_logit * ce_sum)
         metrics[f"{key}/ce"] = ce_sum.item() if denom == n else ce_sum.item() * denom / n
         metrics[f"{key}/acc"] = per_row[:, 0].mean().item()
@@ -360,7 +399,8 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
         # a chunk of c positions is read by up to depth x c rows: chunk_tokens // depth positions keep the peak
         loss, per_row = SharedTargetDistill.apply(
             torch.cat(rows_x), torch.cat(rows_pos), hidden[at], torch.cat(rows_w), top[at], lse[at], draft.weight,
-            draft.ids, draft.target_weight, cfg.temperature, max(1, cfg.chunk_tokens // len(outputs)))
+            draft.ids, draft.target_weight, cfg.temperature, max(1, cfg.chunk_tokens // len(outputs)),
+            cfg.accept_weight)
         total = total + loss
         for (key, n), part in zip(counted, per_row.split([n for _, n in counted])):
             means = part.mean(0).tolist()

@@ -14,7 +14,8 @@ meta device) and N the data-parallel world size:
                   (coefficients below, measured on the real forward with saved-tensor hooks); under bf16
                   autocast also the bf16 copies of the head's weights that autocast keeps for backward (2P)
     buffers       at once, the largest of: the loss's chunk buffers (chunk_tokens x V logits, fp32; with a
-                  draft vocabulary of D tokens one [chunk_tokens, V] and three [chunk_tokens, D]), the
+                  draft vocabulary of D tokens one [chunk_tokens, V] and three [chunk_tokens, D]; one more of
+                  the vocabulary's width with the LK term, `train.loss.accept_weight`), the
                   backward's temporaries of one unrolled step (3 x [tokens, I] gradients, and the recomputed
                   MLP under activation checkpointing); plus DeepSpeed's communication buckets and the largest
                   single gradient before it is reduced
@@ -196,7 +197,8 @@ def estimate_memory(target_config, train, seq_len: int, world: int, strategy: st
                     for j in range(train.depth))
     activations = tokens * per_token + (2 * P if bf16 else 0)
     b = 2 if bf16 else 0  # the bf16 logits of a matmul before their fp32 copy
-    per_row = V * (8 + b) if not D else V * (4 + b) + D * (12 + b)
+    lk = 4 if train.loss.accept_weight else 0  # the LK term's [chunk, vocab] buffer
+    per_row = V * (8 + b + lk) if not D else V * (4 + b) + D * (12 + b + lk)
     loss_chunk = min(train.loss.chunk_tokens, tokens) * per_row
     # one unrolled step's backward temporaries: gradients of the MLP's [tokens, I] activations and of the norms'
     # fp32 inputs, and with activation checkpointing the MLP's recomputed activations
