@@ -2,6 +2,7 @@
 
 Per masked position and depth j (weight γ^j):  w_feat · SmoothL1(ĥ, h_next) + w_logit · CE(q, p),
 q = softmax(W ĥ), p = softmax(W h_next / T) recomputed from the stored hidden state through the frozen W.
+With `accept_weight` w > 0 (the LK loss) the CE becomes (1 - w) · CE(q, p) + w · (-log Σ min(p, q)).
 
 The distribution term never holds [tokens × vocab] for a whole batch: `ChunkedDistill` walks the selected
 positions in chunks, computes fp32 softmaxes, the loss, the metrics and the gradient with respect to ĥ
