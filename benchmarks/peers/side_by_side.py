@@ -8,7 +8,7 @@ judged by vLLM on the recipe's held-out prompts; and each trainer's tokens/s at 
 
 `--base`: a prepared and precomputed run of `--recipe` (default smollm2-135m) with an eagle3 head whose store also
 holds layer L (the last layer's output before the final norm: `store.layers=[30]` for SmolLM2). Steps:
-1. `write.py` writes the store in both peers' formats (our draft vocabulary for both);
+1. `write.py` writes the store in both peers' formats (our draft vocabulary for both), when a peer trains;
 2. our trainer, speculators (`run_speculators.py`) and SpecForge (`run_specforge.py`) train with the same steps,
    peak lr, linear warm-up steps, cosine to 0, AdamW betas (0.9, 0.999), weight decay 0, gradient clipping 1.0,
    TTT depth and 0.8 per step, the distribution over the draft vocabulary (KL / soft CE, the same gradient), one
@@ -301,9 +301,10 @@ def main() -> None:
     common = common_overrides(layers, args.overrides)
     base_cfg = compose(args.recipe, [f"run_dir={args.base}", *common])
     peers_json = args.work / "data" / "peers.json"
-    if not peers_json.is_file():
+    trains_peer = bool({"speculators", "specforge"} & set(args.only))
+    if trains_peer and not peers_json.is_file():
         write(base_cfg, args.work / "data")
-    peers = json.loads(peers_json.read_text())
+    peers = json.loads(peers_json.read_text()) if peers_json.is_file() else None  # a run with no peer writes none
     matched = matched_overrides(common, args)
     heads = {}
     if "ours" in args.only:
@@ -345,7 +346,7 @@ def save(out: Path, args, matched: list[str], peers: dict, heads: dict, judged: 
         "date": time.strftime("%Y-%m-%d"), "machine": machine(torch.get_num_threads()),
         "command": command("peers/side_by_side.py", args),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "matched_overrides": matched, "not_matched": SETTINGS_NOT_MATCHED, "data": {k: peers[k] for k in (
+        "matched_overrides": matched, "not_matched": SETTINGS_NOT_MATCHED, "data": peers and {k: peers[k] for k in (
             "samples", "tokens", "mean_train_length", "aux_layers", "draft_vocab", "draft_vocab_summary")},
         "speed": {n: h["speed"] for n, h in heads.items()},
         "teacher_forced": {n: h["teacher_forced"] for n, h in heads.items() if h.get("teacher_forced")},
