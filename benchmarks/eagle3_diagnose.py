@@ -130,8 +130,9 @@ def main() -> None:
         for row in r["rows"]:
             rep = "" if row["repeat"] is None else f"{row['repeat']:.3f}"
             trep = "" if row["target_repeat"] is None else f"{row['target_repeat']:.3f}"
+            given = "" if row["given"] is None else f"{row['given']:.3f}"  # no anchor reached depth j
             print(f"{Path(r['run_dir']).name:<28}{tag:<18}{row['depth']:>6}{row['rms_in']:>9.2f}{row['shared']:>8.3f}"
-                  f"{rep:>8}{trep:>8}{row['acc']:>7.3f}{row['given']:>7.3f}{row['chain']:>7.3f}")
+                  f"{rep:>8}{trep:>8}{row['acc']:>7.3f}{given:>7}{row['chain']:>7.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": machine(torch.get_num_threads()),
                                     "command": command("eagle3_diagnose.py", args),

@@ -136,11 +136,9 @@ class SharedTargetDistill(torch.autograd.Function):
             metrics[rows, 3] = ce
             ws = weight[rows].float() * kept
             d.exp_()  # q
-            if accept_weight:  # the LK term: -log α and its gradient; α = Σ min(p_full, q), q = 0 outside
-                lk, lk_grad, metrics[rows, 1] = _accept_term(d, p_full)
-                loss += (ws * ((1 - accept_weight) * ce + accept_weight * lk)).sum()
-                d.sub_(p_sub).mul_(1 - accept_weight).add_(lk_grad, alpha=accept_weight)
-                del lk_grad
+            if accept_weight:  # the LK term; α = Σ min(p_full, q), q = 0 outside
+                term, metrics[rows, 1] = _with_accept_term(d, p_sub, p_full, ce, accept_weight)
+                loss += (ws * term).sum()
             else:
                 loss += (ws * ce).sum()
                 metrics[rows, 1] = torch.minimum(p_full, d, out=p_full).sum(-1)  # Σ min(p_full, q); q = 0 outside
@@ -191,6 +189,16 @@ def _accept_term(q: torch.Tensor, p: torch.Tensor):
     return -floored.log(), grad, alpha
 
 
+def _with_accept_term(q: torch.Tensor, p: torch.Tensor, p_full: torch.Tensor, ce: torch.Tensor, w: float):
+    """The LK loss's rows, (1 - w) CE + w (-log α), from the draft's distribution q [n, M], the target's
+    distribution p that the CE reads and p_full, its probabilities of the same tokens that α reads (p itself over
+    the full vocabulary), and the rows' CE [n]. Turns q in place into the rows' gradient with respect to the draft's
+    logits; returns (the rows' terms [n], α [n])."""
+    lk, lk_grad, alpha = _accept_term(q, p_full)
+    q.sub_(p).mul_(1 - w).add_(lk_grad, alpha=w)
+    return (1 - w) * ce + w * lk, alpha
+
+
 def _full_chunk(xs, ys, W, ws, temperature, metrics, accept_weight: float = 0.0):
     """One chunk over the full vocabulary: two [n, V] fp32 buffers (three with the LK term), transformed in
     place. Fills metrics[:, :2]; returns the chunk's weighted loss and its gradient with respect to xs."""
@@ -200,16 +208,13 @@ def _full_chunk(xs, ys, W, ws, temperature, metrics, accept_weight: float = 0.0)
     d = (xs.to(W.dtype) @ W.T).float()  # draft logits [n, V]
     metrics[:, 0] = (d.argmax(-1) == top_p).float()
     d.sub_(d.logsumexp(-1, keepdim=True))  # log q
-    ce = -(p.unsqueeze(1) @ d.unsqueeze(2)).view(-1)  # Σ p log q without a temporary
+    term = -(p.unsqueeze(1) @ d.unsqueeze(2)).view(-1)  # CE: Σ p log q without a temporary
     if accept_weight:
-        lk, lk_grad, metrics[:, 1] = _accept_term(d.exp_(), p)
-        ce = (1 - accept_weight) * ce + accept_weight * lk
-        d.sub_(p).mul_(1 - accept_weight).add_(lk_grad, alpha=accept_weight)
-        del lk_grad
+        term, metrics[:, 1] = _with_accept_term(d.exp_(), p, p, term, accept_weight)
     else:
         d.exp_().sub_(p)  # q - p = d CE / d logits (Σp = 1)
         metrics[:, 1] = 1 - 0.5 * torch.linalg.vector_norm(d, ord=1, dim=-1)  # Σ min(p, q)
-    return (ws * ce).sum(), d.mul_(ws[:, None]).to(W.dtype) @ W  # chain through x @ W.T
+    return (ws * term).sum(), d.mul_(ws[:, None]).to(W.dtype) @ W  # chain through x @ W.T
 
 
 def target_stats(y: torch.Tensor, W: torch.Tensor, temperature: float, chunk: int
