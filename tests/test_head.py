@@ -202,3 +202,63 @@ def test_unknown_family_is_refused():
 def test_bad_variant_is_refused():
     with pytest.raises(ValueError, match="head.variant='eagle9'"):
         HeadConfig(variant="eagle9")
+
+
+def _rope(model, x, positions):
+    return model.model.rotary_emb(x, positions)
+
+
+@pytest.mark.parametrize("variant", ["mtp", "eagle1", "eagle3"])
+def test_init_layer_starts_from_the_target_layer(saved_target, variant):
+    """head.init_layer=1: the head's decoder layer computes what the target's layer 1 computes (eagle3 with its
+    token half of q, k, v zeroed: that half stays at its random start, the same as without init_layer); the rest
+    of the head is untouched."""
+    from mtp_train.train.trainer import build_head
+
+    model, single, _ = saved_target
+    extra = {"draft_vocab": 50, "aux_layers": [0, 1]} if variant == "eagle3" else {}
+    head, _, _ = build_head(str(single), HeadConfig(variant=variant, init_layer=1, **extra), "cpu", seed=5)
+    plain, _, _ = build_head(str(single), HeadConfig(variant=variant, **extra), "cpu", seed=5)
+    layer = model.model.layers[1]
+    outside = {n: p for n, p in plain.named_parameters() if not n.startswith(("mtp_block.", "midlayer."))}
+    for n, p in head.named_parameters():
+        if n in outside:
+            torch.testing.assert_close(p, outside[n], rtol=0, atol=0)
+    torch.manual_seed(6)
+    x, pos = torch.randn(1, 5, H), torch.arange(5)[None]
+    mask = additive_mask(torch.ones(5, 5, dtype=torch.bool).tril()[None, None], x.dtype)
+    with torch.no_grad():
+        want = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=_rope(model, x, pos))
+        want = want[0] if isinstance(want, tuple) else want
+        if variant == "eagle3":
+            for name in ("q_proj", "k_proj", "v_proj"):
+                w, w0 = getattr(head.layer.self_attn, name).weight, getattr(plain.layer.self_attn, name).weight
+                torch.testing.assert_close(w[:, :H], w0[:, :H], rtol=0, atol=0)  # the token half: untouched
+                w[:, :H] = 0
+            got = head.layer(torch.randn(1, 5, H), x, mask, head.rotary_emb(x, pos))
+        else:
+            got = head.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=head.rotary_emb(x, pos))
+            got = got[0] if isinstance(got, tuple) else got
+    if variant == "eagle1":  # its layer has no input norm, so it computes something else: every weight it has
+        target = dict(layer.named_parameters())
+        assert "input_layernorm.weight" not in dict(head.layer.named_parameters())
+        for n, p in head.layer.named_parameters():
+            torch.testing.assert_close(p, target[n], rtol=0, atol=0)
+        return
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_init_layer_out_of_range_or_mismatched_is_refused(saved_target, tmp_path):
+    from mtp_train.train.trainer import build_head
+
+    _, single, _ = saved_target
+    with pytest.raises(ValueError, match=r"head.init_layer=2: the target has 2 decoder layers \(0..1\)"):
+        build_head(str(single), HeadConfig(init_layer=2), "cpu", seed=0)
+    with pytest.raises(ValueError, match="head.init_layer=-2"):
+        HeadConfig(init_layer=-2)
+    from transformers import DeepseekV2ForCausalLM
+
+    DeepseekV2ForCausalLM(CONFIGS["deepseek_v2"]).save_pretrained(tmp_path)
+    build_head(str(tmp_path), HeadConfig(init_layer=0), "cpu", seed=0)  # layer 0 is dense, as the head's
+    with pytest.raises(ValueError, match=r"has no model.layers.1.mlp.gate_proj.weight.*mixture of experts"):
+        build_head(str(tmp_path), HeadConfig(init_layer=1), "cpu", seed=0)

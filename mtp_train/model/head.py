@@ -89,6 +89,10 @@ class HeadConfig:
     # eagle3: the chain feeds norm(z) back as the next step's g instead of z (speculators' and vLLM's
     # `norm_output`; SpecForge and SGLang: false); the lm_head reads norm(z) either way
     norm_output: bool = False
+    # the head's decoder layer starts from the target's decoder layer `init_layer` (0..L-1; its attention, MLP and
+    # norms, read from the target's safetensors) instead of N(0, initializer_range); -1 = that random start. An
+    # eagle3 layer's q, k, v read 2H: the target's weights go to the feature half, the token half stays random.
+    init_layer: int = -1
 
     def __post_init__(self) -> None:
         if self.draft_vocab < 0:
@@ -104,6 +108,9 @@ class HeadConfig:
         if self.aux_layers and self.variant != "eagle3":
             raise ValueError(f"head.aux_layers={list(self.aux_layers)} is for head.variant=eagle3 (this head is "
                              f"{self.variant}); leave it empty")
+        if self.init_layer < -1:
+            raise ValueError(f"head.init_layer={self.init_layer}: expected -1 (random start) or a target layer "
+                             "index 0..L-1")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"head.attn_implementation={self.attn_implementation!r}: expected sdpa or eager "
                              "(the head's training-time attention pattern needs an explicit mask)")
@@ -414,6 +421,42 @@ class DraftHead(nn.Module):
             if self.cfg.variant == "eagle3":
                 ids = self.draft_ids.to(frozen.lm_head_weight.device)
                 self.lm_head.weight.copy_(frozen.lm_head_weight.index_select(0, ids).to(self.lm_head.weight))
+
+
+def target_layer_keys(head: DraftHead, layer: int, num_layers: int) -> dict[str, str]:
+    """head parameter name -> the target checkpoint key it starts from with `head.init_layer` (the target's
+    decoder layer `layer`): every weight of the head's decoder layer that the target's layer has, by name
+    (eagle3's `hidden_norm` from the target's `input_layernorm`, its 2H-wide q, k, v from the target's H-wide
+    ones). Raises for a layer index outside the target."""
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"head.init_layer={layer}: the target has {num_layers} decoder layers (0..{num_layers - 1})")
+    prefix, src = ("midlayer." if head.cfg.variant == "eagle3" else "mtp_block."), f"model.layers.{layer}."
+    out = {}
+    for name, _ in head.layer.named_parameters():
+        out[prefix + name] = src + ("input_layernorm.weight" if name == "hidden_norm.weight" else name)
+    return out
+
+
+def load_target_layer(head: DraftHead, tensors: dict[str, torch.Tensor], keys: dict[str, str]) -> list[str]:
+    """Copy the target layer's `tensors` into the head per `keys` (from `target_layer_keys`); returns the head
+    parameters the target had none for (left as they were). A shape that differs is an error,
+    except eagle3's q, k, v [out, 2H], whose feature half [:, H:] takes the target's [out, H]."""
+    params = dict(head.named_parameters())
+    missing = []
+    with torch.no_grad():
+        for name, key in keys.items():
+            if key not in tensors:
+                missing.append(name)
+                continue
+            p, t = params[name], tensors[key].to(params[name])
+            if p.shape == t.shape:
+                p.copy_(t)
+            elif head.cfg.variant == "eagle3" and p.dim() == 2 and p.shape == (t.shape[0], 2 * t.shape[1]):
+                p[:, t.shape[1]:].copy_(t)
+            else:
+                raise ValueError(f"head.init_layer: the target's {key} is {tuple(t.shape)}, the head's {name} "
+                                 f"is {tuple(p.shape)}: this target's layer cannot start this head")
+    return missing
 
 
 def chain_masks(valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:

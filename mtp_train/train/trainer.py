@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from mtp_train.files import check_space, space_for
-from mtp_train.model.frozen import FrozenTarget
+from mtp_train.model.frozen import FrozenTarget, read_tensors
 from mtp_train.preempt import STOP_FILE, Preempted, StopRequests
-from mtp_train.model.head import DraftHead, unrolled
+from mtp_train.model.head import DraftHead, load_target_layer, target_layer_keys, unrolled
 from mtp_train.train import checkpoint as ckpt
 from mtp_train.train import distributed as dist
 from mtp_train.train.features import FEATURES, open_splits
@@ -138,6 +138,14 @@ def build_head(target_path: str, head_cfg, device, seed: int,
     init_head_weights(head, getattr(target_config, "initializer_range", 0.02))
     frozen = FrozenTarget.from_pretrained(target_path, dtype=frozen_dtype, device="cpu")
     head.init_from_target(frozen)
+    if head_cfg.init_layer >= 0:
+        keys = target_layer_keys(head, head_cfg.init_layer, target_config.num_hidden_layers)
+        missing = load_target_layer(head, read_tensors(target_path, sorted(set(keys.values()))), keys)
+        if missing:
+            raise ValueError(f"head.init_layer={head_cfg.init_layer}: {target_path} has no "
+                             f"{', '.join(keys[m] for m in missing)} for the head's {', '.join(missing)} "
+                             "(a layer of another shape, e.g. a mixture of experts): choose a layer the head's "
+                             "decoder layer matches, or -1 for a random start")
     return head.to(device), frozen.to(device), target_config
 
 
@@ -553,7 +561,8 @@ class Trainer:
         tc = self.tc
         n_params = self.n_params
         strategy = self.strategy + (f" ZeRO-{tc.zero_stage}" if self.strategy == "deepspeed" else "")
-        self.say(f"train: head {self.cfg.head.variant} ({n_params:,} trainable parameters), depth {tc.depth}, "
+        start = f", its layer from the target's layer {self.cfg.head.init_layer}" if self.cfg.head.init_layer >= 0 else ""
+        self.say(f"train: head {self.cfg.head.variant} ({n_params:,} trainable parameters{start}), depth {tc.depth}, "
                  f"{len(self.train_store):,} train samples, {self.steps_per_epoch} steps/epoch, "
                  f"{self.total_steps} steps, lr {tc.lr}, {tc.precision} on {self.device}, {strategy} x {self.world}"
                  + (", activation checkpointing" if tc.activation_checkpointing else ""))
