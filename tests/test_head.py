@@ -204,10 +204,6 @@ def test_bad_variant_is_refused():
         HeadConfig(variant="eagle9")
 
 
-def _rope(model, x, positions):
-    return model.model.rotary_emb(x, positions)
-
-
 @pytest.mark.parametrize("variant", ["mtp", "eagle1", "eagle3"])
 def test_init_layer_starts_from_the_target_layer(saved_target, variant):
     """head.init_layer=1: the head's decoder layer computes what the target's layer 1 computes (eagle3 with its
@@ -228,7 +224,7 @@ def test_init_layer_starts_from_the_target_layer(saved_target, variant):
     x, pos = torch.randn(1, 5, H), torch.arange(5)[None]
     mask = additive_mask(torch.ones(5, 5, dtype=torch.bool).tril()[None, None], x.dtype)
     with torch.no_grad():
-        want = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=_rope(model, x, pos))
+        want = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos))
         want = want[0] if isinstance(want, tuple) else want
         if variant == "eagle3":
             for name in ("q_proj", "k_proj", "v_proj"):

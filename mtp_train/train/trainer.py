@@ -561,7 +561,8 @@ class Trainer:
         tc = self.tc
         n_params = self.n_params
         strategy = self.strategy + (f" ZeRO-{tc.zero_stage}" if self.strategy == "deepspeed" else "")
-        start = f", its layer from the target's layer {self.cfg.head.init_layer}" if self.cfg.head.init_layer >= 0 else ""
+        layer = self.cfg.head.init_layer
+        start = f", its layer from the target's layer {layer}" if layer >= 0 else ""
         self.say(f"train: head {self.cfg.head.variant} ({n_params:,} trainable parameters{start}), depth {tc.depth}, "
                  f"{len(self.train_store):,} train samples, {self.steps_per_epoch} steps/epoch, "
                  f"{self.total_steps} steps, lr {tc.lr}, {tc.precision} on {self.device}, {strategy} x {self.world}"
