@@ -506,30 +506,25 @@ def _start_prepare(run_dir: Path, source: Path, *overrides: str):
                             stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for_replies(run_dir: Path, proc, n: int, timeout: float = 240) -> int:
+def _wait_until(proc, holds, what: str, timeout: float = 240) -> None:
+    """Poll `holds()` while `proc` runs; fails if it ends first or `what` has not happened in `timeout` s."""
     import time
 
     t0 = time.time()
-    while time.time() - t0 < timeout:
-        got = _journal_replies(run_dir)
-        if got >= n:
-            return got
+    while not holds():
         assert proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
-    raise TimeoutError(f"fewer than {n} replies committed in {timeout}s")
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"{what}: not in {timeout}s")
+        time.sleep(0.01)
 
 
 def _interrupt(run_dir: Path, source: Path, overrides, sig, at: int, then=lambda: None, sent=lambda: True):
     """A real `mtp-train prepare` sent `sig` once `at` replies are committed and `sent()` holds (`then` runs after
     the signal): -> (exit status, stdout, stderr, replies committed when it ended)."""
-    import time
-
     proc = _start_prepare(run_dir, source, *overrides)
-    _wait_for_replies(run_dir, proc, at)
-    t0 = time.time()
-    while not sent():  # e.g. the requests that follow have reached the server, not only been queued
-        assert proc.poll() is None and time.time() - t0 < 60, proc.communicate()
-        time.sleep(0.01)
+    _wait_until(proc, lambda: _journal_replies(run_dir) >= at, f"{at} replies committed")
+    # e.g. the requests that follow have reached the server, not only been queued
+    _wait_until(proc, sent, "the condition before the signal", timeout=60)
     proc.send_signal(sig)
     then()
     out, err = proc.communicate(timeout=120)
