@@ -163,12 +163,17 @@ def test_head_loss_with_a_draft_vocabulary_matches_the_formula():
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 1000])
-@pytest.mark.parametrize("own_lm_head,accept_weight", [(False, 0.0), (True, 0.0), (False, 0.6), (True, 1.0)])
-def test_head_loss_over_a_draft_vocabulary_has_the_gradients_of_the_formula(chunk, own_lm_head, accept_weight):
+@pytest.mark.parametrize("own_lm_head,accept_weight,out_of_vocab", [
+    (False, 0.0, "drop"), (True, 0.0, "drop"), (False, 0.6, "drop"), (True, 1.0, "drop"),
+    (True, 0.0, "renormalise"), (False, 0.6, "renormalise")])
+def test_head_loss_over_a_draft_vocabulary_has_the_gradients_of_the_formula(chunk, own_lm_head, accept_weight,
+                                                                           out_of_vocab):
     """All depths in one pass over the target positions (`SharedTargetDistill`, chunked by position): the loss,
     its gradients with respect to every depth's output and to a trainable draft lm_head (an eagle3 head's own),
     and the per-depth metrics equal depth-by-depth autograd through the direct formula, at a temperature; with
-    the LK term (`accept_weight`), each kept row's term is (1 - w) CE + w (-log Σ min(p_full, q))."""
+    the LK term (`accept_weight`), each kept row's term is (1 - w) CE + w (-log Σ min(p_full, q)). A row whose
+    target argmax is outside the draft vocabulary has no term (`out_of_vocab="drop"`) or the same as any other
+    ("renormalise"); it stays in the mean either way, and `in_vocab` counts it as outside."""
     torch.manual_seed(4)
     B, T, Hd, V, M, depth = 3, 10, 8, 41, 15, 3
     hidden, W = torch.randn(B, T, Hd), torch.randn(V, Hd)
@@ -178,7 +183,7 @@ def test_head_loss_over_a_draft_vocabulary_has_the_gradients_of_the_formula(chun
     Wd = (torch.randn(M, Hd) if own_lm_head else W[ids].clone()).requires_grad_(own_lm_head)
     draft = DraftLMHead(Wd, ids, W[ids] if own_lm_head else None)
     cfg = LossConfig(w_feat=0.2, w_logit=0.9, gamma=0.7, chunk_tokens=chunk, temperature=0.8,
-                     accept_weight=accept_weight)
+                     accept_weight=accept_weight, out_of_vocab=out_of_vocab)
     total, m = head_loss(outs, hidden, loss_mask, lengths, W, cfg, draft=draft)
     ref_outs = [o.detach().clone().requires_grad_(True) for o in outs]
     ref_wd = Wd.detach().clone().requires_grad_(own_lm_head)
@@ -189,13 +194,14 @@ def test_head_loss_over_a_draft_vocabulary_has_the_gradients_of_the_formula(chun
         y = torch.stack([hidden[b, i + 1 + j] for b, i in rows])
         t = y @ W.T
         inside = torch.isin(t.argmax(-1), ids)
+        counts = inside if out_of_vocab == "drop" else torch.ones_like(inside)
         log_q = torch.log_softmax(x @ ref_wd.T, -1)
-        ce = -(inside * (torch.softmax(t[:, ids] / 0.8, -1) * log_q).sum(-1))
+        ce = -(counts * (torch.softmax(t[:, ids] / 0.8, -1) * log_q).sum(-1))
         feat = torch.nn.functional.smooth_l1_loss(x, y, reduction="none").mean(-1)
         q = torch.zeros_like(t)
         q[:, ids] = log_q.exp()
         alpha = torch.minimum(torch.softmax(t / 0.8, -1), q).sum(-1)
-        term = (1 - accept_weight) * ce + accept_weight * inside * -alpha.clamp_min(1e-4).log()
+        term = (1 - accept_weight) * ce + accept_weight * counts * -alpha.clamp_min(1e-4).log()
         expect = expect + 0.7 ** j * (0.2 * feat.mean() + 0.9 * term.mean())
         assert m[f"d{j + 1}/n"] == len(rows)
         assert m[f"d{j + 1}/ce"] == pytest.approx(ce.mean().item(), rel=1e-5)
@@ -203,6 +209,7 @@ def test_head_loss_over_a_draft_vocabulary_has_the_gradients_of_the_formula(chun
         assert m[f"d{j + 1}/accept"] == pytest.approx(
             torch.minimum(torch.softmax(t / 0.8, -1), q).sum(-1).mean().item(), rel=1e-5)
         assert m[f"d{j + 1}/in_vocab"] == pytest.approx(inside.float().mean().item())
+        assert 0 < inside.float().mean() < 1  # both kinds of rows are there
     torch.testing.assert_close(total, expect, rtol=1e-5, atol=1e-5)
     (1.5 * total).backward()
     (1.5 * expect).backward()

@@ -35,6 +35,25 @@ def test_chunked_loss_equals_direct(chunk, temperature):
     torch.testing.assert_close(metrics[:, 1], torch.minimum(p, q).sum(-1))
 
 
+def test_the_soft_cross_entropy_has_the_gradient_of_the_kl_divergence_the_peers_train_with():
+    """KL(p || q) = CE(p, q) - H(p) and H(p) does not depend on the draft: a trainer minimising the forward KL
+    (speculators' loss) steps exactly as ours does; the loss differs by the target's entropy alone."""
+    torch.manual_seed(3)
+    N, Hd, V = 29, 16, 61
+    W, y, weight = torch.randn(V, Hd), torch.randn(N, Hd), torch.rand(N)
+    x1 = torch.randn(N, Hd, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    loss, _ = distill_ce(x1, y, W, weight, 0.8, 8)
+    p = torch.softmax(y @ W.T / 0.8, -1)
+    kl = (weight * F.kl_div(torch.log_softmax(x2 @ W.T, -1), p, reduction="none").sum(-1)).sum()
+    entropy = -(weight * (p * p.log()).sum(-1)).sum()
+    torch.testing.assert_close(loss, kl + entropy, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    kl.backward()
+    assert x2.grad.abs().max() > 0.1
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("accept_weight", [0.3, 1.0])
 def test_the_lk_term_has_the_value_and_gradient_of_its_formula(accept_weight):
     """`accept_weight` w: each row's term is (1 - w) CE(q, p) + w (-log α), α = Σ min(p, q); autograd through
@@ -133,7 +152,8 @@ def test_head_loss_matches_formula():
 
 
 @pytest.mark.parametrize("bad", [dict(w_feat=-1.0), dict(w_feat=0.0, w_logit=0.0), dict(temperature=0.0),
-                                 dict(gamma=1.5), dict(chunk_tokens=0), dict(accept_weight=1.5)])
+                                 dict(gamma=1.5), dict(chunk_tokens=0), dict(accept_weight=1.5),
+                                 dict(out_of_vocab="keep")])
 def test_bad_loss_config(bad):
     with pytest.raises(ValueError, match="loss\\."):
         LossConfig(**bad)

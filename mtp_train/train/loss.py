@@ -37,6 +37,10 @@ class LossConfig:
     # (1 - w) · CE(q, p) + w · (-log α), α = Σ_x min(p_full(x), q(x)), the expected acceptance of the draft
     # token at T = 1; 0 is the soft cross-entropy alone, 1 the acceptance alone
     accept_weight: float = 0.0
+    # over a draft vocabulary, the positions whose target argmax is outside it: "drop" (no distribution term; EAGLE-3's
+    # and SpecForge's choice) or "renormalise" (the term against the target renormalised over the draft vocabulary,
+    # like every other position; speculators' choice). Either way they stay in the denominator and the metrics
+    out_of_vocab: str = "drop"
 
     def __post_init__(self) -> None:
         if self.w_feat < 0 or self.w_logit < 0 or self.w_feat + self.w_logit == 0:
@@ -50,6 +54,11 @@ class LossConfig:
             raise ValueError(f"loss.chunk_tokens={self.chunk_tokens}: must be >= 1")
         if not 0 <= self.accept_weight <= 1:
             raise ValueError(f"loss.accept_weight={self.accept_weight}: must be in [0, 1]")
+        if self.out_of_vocab not in OUT_OF_VOCAB:
+            raise ValueError(f"loss.out_of_vocab={self.out_of_vocab!r}: must be one of {', '.join(OUT_OF_VOCAB)}")
+
+
+OUT_OF_VOCAB = ("drop", "renormalise")
 
 
 class ChunkedDistill(torch.autograd.Function):
@@ -98,12 +107,13 @@ class SharedTargetDistill(torch.autograd.Function):
     top [P] / lse [P] (the positions' `target_stats`), Wd [M, H] (the draft's lm_head, frozen or trainable),
     ids [M], Wt [M, H] (W's rows for ids). Outputs: the loss Σ_n weight_n · kept_n · CE(q_n, p_n), and per-row
     metrics [N, 4], not differentiable: top-1 agreement with the target's full-vocabulary argmax, Σ min(p_full,
-    q), kept (the target's argmax is a draft token), and the row's CE (0 when not kept).
+    q), kept (the target's argmax is a draft token), and the row's CE (0 when not kept). With `keep_outside` every
+    row counts (kept_n = 1 in the loss and the CE; the metric still says whether the argmax is inside).
     """
 
     @staticmethod
     def forward(ctx, x, pos, y, weight, top, lse, Wd, ids, Wt, temperature: float, chunk: int,
-                accept_weight: float = 0.0):
+                accept_weight: float = 0.0, keep_outside: bool = False):
         N, P = x.shape[0], y.shape[0]
         grad = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         grad_wd = torch.zeros(Wd.shape, dtype=torch.float32, device=Wd.device) if ctx.needs_input_grad[6] else None
@@ -112,6 +122,7 @@ class SharedTargetDistill(torch.autograd.Function):
         inside = torch.zeros(int(ids.max()) + 1 if ids.numel() else 1, dtype=torch.bool, device=x.device)
         inside[ids] = True
         kept_at = (top < inside.shape[0]) & inside[top.clamp(max=inside.shape[0] - 1)]  # [P]
+        counts_at = torch.ones_like(kept_at) if keep_outside else kept_at  # [P]: rows whose term counts
         order = torch.argsort(pos, stable=True)  # rows by target position: a chunk's rows are one range
         starts = torch.searchsorted(pos[order], torch.arange(0, P + chunk, chunk, device=pos.device)).tolist()
         for c, s in enumerate(range(0, P, chunk)):
@@ -126,15 +137,15 @@ class SharedTargetDistill(torch.autograd.Function):
             p_sub = _softmax_(p.clone())[local]  # per row: the target renormalised over the draft vocabulary
             p_full = p.sub_(lse[s:s + chunk, None]).exp_()[local]  # per row: p_full over the draft vocabulary
             del p
-            kept = kept_at[s:s + chunk][local]
+            kept, counts = kept_at[s:s + chunk][local], counts_at[s:s + chunk][local]
             xs = x[rows]
             d = (xs.to(Wd.dtype) @ Wd.T).float()  # draft logits [n, M]
             metrics[rows, 0] = (ids[d.argmax(-1)] == top[s:s + chunk][local]).float()
             metrics[rows, 2] = kept.float()
             d.sub_(d.logsumexp(-1, keepdim=True))  # log q
-            ce = -(p_sub.unsqueeze(1) @ d.unsqueeze(2)).view(-1) * kept
+            ce = -(p_sub.unsqueeze(1) @ d.unsqueeze(2)).view(-1) * counts
             metrics[rows, 3] = ce
-            ws = weight[rows].float() * kept
+            ws = weight[rows].float() * counts
             d.exp_()  # q
             if accept_weight:  # the LK term; α = Σ min(p_full, q), q = 0 outside
                 term, metrics[rows, 1] = _with_accept_term(d, p_sub, p_full, ce, accept_weight)
@@ -160,7 +171,7 @@ class SharedTargetDistill(torch.autograd.Function):
         grad, grad_wd = ctx.saved_tensors
         scale = grad_loss.float()
         return (None if grad is None else grad * scale.to(grad.dtype)), None, None, None, None, None, \
-            (None if grad_wd is None else (grad_wd * scale).to(ctx.wd_dtype)), None, None, None, None, None
+            (None if grad_wd is None else (grad_wd * scale).to(ctx.wd_dtype)), None, None, None, None, None, None
 
 
 def _softmax_(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -237,11 +248,12 @@ def target_stats(y: torch.Tensor, W: torch.Tensor, temperature: float, chunk: in
 
 
 def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=None, ids=None, Wt=None,
-               accept_weight: float = 0.0):
+               accept_weight: float = 0.0, keep_outside: bool = False):
     """The distribution term of rows x [N, H] against target states y [N, H]: over the full vocabulary
     (`ChunkedDistill`), or with a draft vocabulary (`ids`, the draft's lm_head `Wd`, trainable or W's rows, and
     `Wt`, W's rows of the draft vocabulary when `Wd` is the head's own) through `SharedTargetDistill`, each row
-    reading its own target position. -> (loss, per-row metrics [N, 3]: acc, accept, in_vocab)."""
+    reading its own target position (`keep_outside`: rows whose target argmax is outside it count too).
+    -> (loss, per-row metrics [N, 3]: acc, accept, in_vocab)."""
     if ids is None:
         if Wd is not None and Wd.requires_grad:
             raise NotImplementedError("a trainable lm_head is supported over a draft vocabulary (ids) only")
@@ -249,7 +261,7 @@ def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=
     top, lse = target_stats(y, W, temperature, chunk)
     pos = torch.arange(x.shape[0], device=x.device)
     loss, metrics = SharedTargetDistill.apply(x, pos, y, weight, top, lse, Wd, ids, Wd if Wt is None else Wt,
-                                              temperature, chunk, accept_weight)
+                                              temperature, chunk, accept_weight, keep_outside)
     return loss, metrics[:, :3]
 
 
@@ -341,12 +353,13 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
 
     `draft` is the head's `DraftLMHead` (`DraftHead.draft_lm_head(W)`); with a draft vocabulary the CE is
     against the target renormalised over it, and positions whose target argmax is outside count as zero
-    loss (still in the denominator). The metrics stay comparable with a full-vocabulary head: `acc` is the
-    draft argmax (as a target id) against the target's full-vocabulary argmax, `accept` Σ min(p_full, q) with
-    q zero outside the draft vocabulary, both over all counted positions; `d{k}/in_vocab` is the fraction of
-    counted positions whose target argmax is inside. Those need the target's full-vocabulary argmax and
-    logsumexp at every position the loss reads: `stats` (a `TargetStats`, built from `W` and `cfg` when not
-    given) computes them per sample and, given the batch's sample `index` [B], keeps them for the next epoch.
+    loss (still in the denominator), or, with `cfg.out_of_vocab="renormalise"`, like any other. The metrics stay
+    comparable with a full-vocabulary head: `acc` is the draft argmax (as a target id) against the target's
+    full-vocabulary argmax, `accept` Σ min(p_full, q) with q zero outside the draft vocabulary, both over all
+    counted positions; `d{k}/in_vocab` is the fraction of counted positions whose target argmax is inside.
+    Those need the target's full-vocabulary argmax and logsumexp at every position the loss reads: `stats` (a
+    `TargetStats`, built from `W` and `cfg` when not given) computes them per sample and, given the batch's sample
+    `index` [B], keeps them for the next epoch.
     """
     ce_fn = ce or distill_ce
     sub = draft is not None and draft.ids is not None
@@ -393,6 +406,8 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
             total = total + cfg.gamma ** j * cfg.w_feat * (feat_sum / denom)
             continue
         lk = {"accept_weight": cfg.accept_weight} if cfg.accept_weight else {}  # a `ce` replacement may not take it
+        if sub and cfg.out_of_vocab != "drop":
+            lk["keep_outside"] = True
         ce_sum, per_row = ce_fn(x, y, W, x.new_full((n,), 1.0 / denom), cfg.temperature, cfg.chunk_tokens, *extra,
                                 **own, **lk)
         total = total + cfg.gamma ** j * (cfg.w_feat * (feat_sum / denom) + cfg.w_logit * ce_sum)
@@ -406,7 +421,7 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
         loss, per_row = SharedTargetDistill.apply(
             torch.cat(rows_x), torch.cat(rows_pos), hidden[at], torch.cat(rows_w), top[at], lse[at], draft.weight,
             draft.ids, draft.target_weight, cfg.temperature, max(1, cfg.chunk_tokens // len(outputs)),
-            cfg.accept_weight)
+            cfg.accept_weight, cfg.out_of_vocab != "drop")
         total = total + loss
         for (key, n), part in zip(counted, per_row.split([n for _, n in counted])):
             means = part.mean(0).tolist()
