@@ -363,6 +363,7 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
     """
     ce_fn = ce or distill_ce
     sub = draft is not None and draft.ids is not None
+    keep_outside = sub and cfg.out_of_vocab == "renormalise"  # rows whose target argmax is outside count too
     extra = (draft.weight, draft.ids) if sub else ()
     own = {"Wt": draft.target_rows} if sub and draft.target_rows is not None else {}  # eagle3: its own lm_head
     sels = [predicted_mask(loss_mask, lengths, j) for j in range(len(outputs))]
@@ -406,7 +407,7 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
             total = total + cfg.gamma ** j * cfg.w_feat * (feat_sum / denom)
             continue
         lk = {"accept_weight": cfg.accept_weight} if cfg.accept_weight else {}  # a `ce` replacement may not take it
-        if sub and cfg.out_of_vocab != "drop":
+        if keep_outside:
             lk["keep_outside"] = True
         ce_sum, per_row = ce_fn(x, y, W, x.new_full((n,), 1.0 / denom), cfg.temperature, cfg.chunk_tokens, *extra,
                                 **own, **lk)
@@ -421,7 +422,7 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
         loss, per_row = SharedTargetDistill.apply(
             torch.cat(rows_x), torch.cat(rows_pos), hidden[at], torch.cat(rows_w), top[at], lse[at], draft.weight,
             draft.ids, draft.target_weight, cfg.temperature, max(1, cfg.chunk_tokens // len(outputs)),
-            cfg.accept_weight, cfg.out_of_vocab != "drop")
+            cfg.accept_weight, keep_outside)
         total = total + loss
         for (key, n), part in zip(counted, per_row.split([n for _, n in counted])):
             means = part.mean(0).tolist()
