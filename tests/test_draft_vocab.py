@@ -163,17 +163,19 @@ def test_head_loss_with_a_draft_vocabulary_matches_the_formula():
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 1000])
-@pytest.mark.parametrize("own_lm_head,accept_weight,out_of_vocab", [
-    (False, 0.0, "drop"), (True, 0.0, "drop"), (False, 0.6, "drop"), (True, 1.0, "drop"),
-    (True, 0.0, "renormalise"), (False, 0.6, "renormalise")])
+@pytest.mark.parametrize("own_lm_head,accept_weight,out_of_vocab,topk_weight", [
+    (False, 0.0, "drop", 0.0), (True, 0.0, "drop", 0.0), (False, 0.6, "drop", 0.0), (True, 1.0, "drop", 0.0),
+    (True, 0.0, "renormalise", 0.0), (False, 0.6, "renormalise", 0.0), (True, 0.0, "drop", 0.7),
+    (False, 0.6, "renormalise", 0.7)])
 def test_head_loss_over_a_draft_vocabulary_has_the_gradients_of_the_formula(chunk, own_lm_head, accept_weight,
-                                                                           out_of_vocab):
+                                                                           out_of_vocab, topk_weight):
     """All depths in one pass over the target positions (`SharedTargetDistill`, chunked by position): the loss,
     its gradients with respect to every depth's output and to a trainable draft lm_head (an eagle3 head's own),
     and the per-depth metrics equal depth-by-depth autograd through the direct formula, at a temperature; with
     the LK term (`accept_weight`), each kept row's term is (1 - w) CE + w (-log Σ min(p_full, q)). A row whose
     target argmax is outside the draft vocabulary has no term (`out_of_vocab="drop"`) or the same as any other
-    ("renormalise"); it stays in the mean either way, and `in_vocab` counts it as outside."""
+    ("renormalise"); it stays in the mean either way, and `in_vocab` counts it as outside. With HASS's top-K term
+    (`topk_weight` w_k, K = 4 here) a kept row adds w_k (-Σ over the target's 4 likeliest draft tokens of p log q)."""
     torch.manual_seed(4)
     B, T, Hd, V, M, depth = 3, 10, 8, 41, 15, 3
     hidden, W = torch.randn(B, T, Hd), torch.randn(V, Hd)
@@ -183,7 +185,7 @@ def test_head_loss_over_a_draft_vocabulary_has_the_gradients_of_the_formula(chun
     Wd = (torch.randn(M, Hd) if own_lm_head else W[ids].clone()).requires_grad_(own_lm_head)
     draft = DraftLMHead(Wd, ids, W[ids] if own_lm_head else None)
     cfg = LossConfig(w_feat=0.2, w_logit=0.9, gamma=0.7, chunk_tokens=chunk, temperature=0.8,
-                     accept_weight=accept_weight, out_of_vocab=out_of_vocab)
+                     accept_weight=accept_weight, out_of_vocab=out_of_vocab, topk_weight=topk_weight, topk=4)
     total, m = head_loss(outs, hidden, loss_mask, lengths, W, cfg, draft=draft)
     ref_outs = [o.detach().clone().requires_grad_(True) for o in outs]
     ref_wd = Wd.detach().clone().requires_grad_(own_lm_head)
@@ -202,6 +204,9 @@ def test_head_loss_over_a_draft_vocabulary_has_the_gradients_of_the_formula(chun
         q[:, ids] = log_q.exp()
         alpha = torch.minimum(torch.softmax(t / 0.8, -1), q).sum(-1)
         term = (1 - accept_weight) * ce + accept_weight * counts * -alpha.clamp_min(1e-4).log()
+        p_sub = torch.softmax(t[:, ids] / 0.8, -1)
+        top4 = torch.zeros_like(p_sub).scatter_(-1, p_sub.topk(4, -1).indices, 1.0)
+        term = term + topk_weight * counts * -(top4 * p_sub * log_q).sum(-1)
         expect = expect + 0.7 ** j * (0.2 * feat.mean() + 0.9 * term.mean())
         assert m[f"d{j + 1}/n"] == len(rows)
         assert m[f"d{j + 1}/ce"] == pytest.approx(ce.mean().item(), rel=1e-5)
@@ -217,6 +222,62 @@ def test_head_loss_over_a_draft_vocabulary_has_the_gradients_of_the_formula(chun
         torch.testing.assert_close(o.grad, r.grad, rtol=1e-4, atol=1e-6)
     if own_lm_head:
         torch.testing.assert_close(Wd.grad, ref_wd.grad, rtol=1e-4, atol=1e-5 if accept_weight else 1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("vocab", ["draft", "full"])
+def test_the_alignment_mask_keeps_the_rows_decoding_reaches(k, vocab):
+    """`loss.align_topk` (GRIFFIN's token-alignable training): an anchor's row at depth j counts only while the
+    draft's top-k at every earlier depth held the target's full-vocabulary argmax; the others have no term, stay in
+    the mean's denominator and in acc / accept; `reached` is the share that counts and `ce` is over those rows.
+    Loss, gradients and metrics against a direct per-anchor reference, over a draft vocabulary (one shared pass)
+    and over the full vocabulary."""
+    torch.manual_seed(6)
+    B, T, Hd, V, M, depth = 3, 12, 8, 41, 15, 3
+    hidden, W = torch.randn(B, T, Hd), torch.randn(V, Hd)
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(2))[:M].sort().values
+    if vocab == "draft":  # targets whose argmax is mostly a draft token, so that chains go on
+        hidden = 0.3 * hidden + 0.8 * W[ids][torch.randint(M, (B, T))]
+    loss_mask, lengths = (torch.rand(B, T) > 0.2).to(torch.int8), torch.tensor([12, 9, 11])
+    # each depth's output near the state it predicts: some drafts right, some wrong
+    outs = [(torch.roll(hidden, -1 - j, 1) + 0.5 * torch.randn(B, T, Hd)).requires_grad_(True)
+            for j in range(depth)]
+    draft = DraftLMHead(W[ids].clone(), ids, None) if vocab == "draft" else None
+    Wd, tid = (W[ids], ids) if vocab == "draft" else (W, torch.arange(V))
+    cfg = LossConfig(w_feat=0.2, w_logit=0.9, gamma=0.7, chunk_tokens=5, align_topk=k)
+    total, m = head_loss(outs, hidden, loss_mask, lengths, W, cfg, draft=draft)
+    ref_outs = [o.detach().clone().requires_grad_(True) for o in outs]
+    reach = {(b, i): True for b in range(B) for i in range(T)}
+    expect, seen = 0.0, []
+    for j, o in enumerate(ref_outs):
+        rows = [(b, i) for b in range(B) for i in range(T) if i + 2 + j < lengths[b] and loss_mask[b, i + 2 + j]]
+        x = torch.stack([o[b, i] for b, i in rows])
+        y = torch.stack([hidden[b, i + 1 + j] for b, i in rows])
+        t = y @ W.T
+        kept = torch.tensor([reach[r] for r in rows], dtype=torch.float32)
+        log_q = torch.log_softmax(x @ Wd.T, -1)
+        inside = torch.isin(t.argmax(-1), tid).float()
+        ce = -(inside * (torch.softmax(t[:, tid], -1) * log_q).sum(-1))
+        feat = torch.nn.functional.smooth_l1_loss(x, y, reduction="none").mean(-1)
+        expect = expect + 0.7 ** j * (0.2 * (kept * feat).mean() + 0.9 * (kept * ce).mean())
+        assert m[f"d{j + 1}/reached"] == pytest.approx(kept.mean().item())
+        assert m[f"d{j + 1}/ce"] == pytest.approx(((kept * ce).sum() / kept.sum()).item(), rel=1e-5)
+        assert m[f"d{j + 1}/acc"] == pytest.approx((tid[log_q.argmax(-1)] == t.argmax(-1)).float().mean().item())
+        holds = (tid[log_q.topk(k, -1).indices] == t.argmax(-1)[:, None]).any(-1)
+        nxt = {r: False for r in reach}
+        for r, h, kk in zip(rows, holds.tolist(), kept.tolist()):
+            nxt[r] = h and kk > 0
+        reach = nxt
+        seen.append(kept.mean().item())
+    assert seen[0] == 1 and 0 < seen[1] < 1 and 0 < seen[2] < seen[1]  # the mask is neither empty nor everything
+    torch.testing.assert_close(total, expect, rtol=1e-5, atol=1e-5)
+    (1.5 * total).backward()
+    (1.5 * expect).backward()
+    for o, r in zip(outs, ref_outs):
+        torch.testing.assert_close(o.grad, r.grad, rtol=1e-4, atol=1e-6)
+    off, _ = head_loss(outs, hidden, loss_mask, lengths, W, LossConfig(w_feat=0.2, w_logit=0.9, gamma=0.7),
+                       draft=draft)
+    assert off.item() > total.item()  # without the mask every row counts
 
 
 def test_target_stats_are_the_full_vocabulary_argmax_and_logsumexp_per_sample_whatever_the_batch():

@@ -77,6 +77,31 @@ def test_the_lk_term_has_the_value_and_gradient_of_its_formula(accept_weight):
     torch.testing.assert_close(metrics[:, 0], (log_q.argmax(-1) == p.argmax(-1)).float())
 
 
+@pytest.mark.parametrize("accept_weight", [0.0, 0.5])
+def test_the_top_k_term_has_the_value_and_gradient_of_its_formula(accept_weight):
+    """HASS's top-K distillation (`topk_weight` w_k, `topk` K) over the full vocabulary: each row adds
+    w_k (-Σ_{x in top-K(p)} p_x log q_x) to its term, alone or beside the LK term; autograd through the formula
+    gives the same loss and gradient, and the term only adds weight on the target's K likeliest tokens."""
+    torch.manual_seed(8)
+    N, Hd, V, K = 29, 16, 71, 5
+    W, y, weight = torch.randn(V, Hd), torch.randn(N, Hd), torch.rand(N)
+    x1 = torch.randn(N, Hd, requires_grad=True)
+    x2 = x1.detach().double().requires_grad_(True)
+    loss, _ = distill_ce(x1, y, W, weight, 1.0, 8, accept_weight=accept_weight, topk=(0.7, K))
+    log_q = torch.log_softmax(x2 @ W.double().T, -1)
+    p = torch.softmax(y.double() @ W.double().T, -1)
+    on_top = torch.zeros_like(p).scatter_(-1, p.topk(K, -1).indices, 1.0)
+    alpha = torch.minimum(p, log_q.exp()).sum(-1)
+    ref = (weight * ((1 - accept_weight) * -(p * log_q).sum(-1) - accept_weight * alpha.log()
+                     + 0.7 * -(on_top * p * log_q).sum(-1))).sum()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    (2.5 * loss).backward()
+    (2.5 * ref).backward()
+    torch.testing.assert_close(x1.grad.double(), x2.grad, rtol=1e-3, atol=1e-4)
+    without, _ = distill_ce(x1.detach(), y, W, weight, 1.0, 8, accept_weight=accept_weight)
+    assert loss.item() > without.item()
+
+
 def test_the_lk_term_raises_acceptance_where_cross_entropy_trades_it_away():
     """The case the LK loss is for: a draft that cannot represent the target. Its own lm_head (a draft vocabulary
     of 3 tokens) gives logits (s, 0, -s), one degree of freedom, against p = (0.6, 0.05, 0.35). Fitted by
@@ -153,7 +178,8 @@ def test_head_loss_matches_formula():
 
 @pytest.mark.parametrize("bad", [dict(w_feat=-1.0), dict(w_feat=0.0, w_logit=0.0), dict(temperature=0.0),
                                  dict(gamma=1.5), dict(chunk_tokens=0), dict(accept_weight=1.5),
-                                 dict(out_of_vocab="keep")])
+                                 dict(out_of_vocab="keep"), dict(align_topk=-1),
+                                 dict(topk_weight=-0.1), dict(topk=0)])
 def test_bad_loss_config(bad):
     with pytest.raises(ValueError, match="loss\\."):
         LossConfig(**bad)

@@ -9,7 +9,8 @@ median over rounds; the ratios are of medians.
         --rounds 1 --trainers ours speculators --variants recompute=train.target_stats_cache_mb=0 \
         subnormals=train.flush_denormals=false
 
-`--data` is the peers' data that `side_by_side.py` wrote for `--base` (its `peers.json`). 20 steps of 8 samples
+`--data` is the peers' data that `side_by_side.py` wrote for `--base` (its `peers.json`; not needed with
+`--trainers ours`, which times our trainer and its `--variants` alone). 20 steps of 8 samples
 stay inside the first epoch of SmolLM2's 495 train samples; 150 steps (`side_by_side.py`'s budget) are 2.4
 epochs, where our trainer reads the target's full-vocabulary stats it kept from the first (`loss.TargetStats`);
 `--variants NAME=OVERRIDE,...` times further runs of ours (that cache off; subnormal floats kept, which our
@@ -39,7 +40,8 @@ from timing import command, machine  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", type=Path, required=True)
-    ap.add_argument("--data", type=Path, required=True, help="side_by_side.py's peers' data (with peers.json)")
+    ap.add_argument("--data", type=Path, default=None,
+                    help="side_by_side.py's peers' data (with peers.json); needed when a peer trains")
     ap.add_argument("--recipe", default="smollm2-135m")
     ap.add_argument("--work", type=Path, default=Path("runs/peers-speed"))
     ap.add_argument("--steps", type=int, default=20)
@@ -54,14 +56,25 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=[], help="further runs of ours: NAME=OVERRIDE,OVERRIDE,...")
     ap.add_argument("--tag", default="", help="a suffix for the JSON's name (a later run beside an earlier one)")
     args = ap.parse_args()
-    args.base, args.work, args.data = args.base.resolve(), args.work.resolve(), args.data.resolve()
+    peer_trainers = [t for t in args.trainers if t != "ours"]
+    if peer_trainers and args.data is None:
+        ap.error(f"--data (side_by_side.py's peers' data) is needed to train {', '.join(peer_trainers)}")
+    args.base, args.work = args.base.resolve(), args.work.resolve()
     os.environ.setdefault("WANDB_MODE", "offline")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     import side_by_side as sbs
 
-    peers_json = args.data / "peers.json"
-    peers = json.loads(peers_json.read_text())
-    layers = peers["num_layers"]
+    if args.data is not None:
+        args.data = args.data.resolve()
+        peers_json = args.data / "peers.json"
+        peers = json.loads(peers_json.read_text())
+        layers = peers["num_layers"]
+    else:  # ours alone: the target's layer count from the recipe, as side_by_side.py reads it
+        from transformers import AutoConfig
+
+        from mtp_train.config import compose
+        target_path = compose(args.recipe, [f"run_dir={args.base}"]).target.path
+        layers = AutoConfig.from_pretrained(target_path).num_hidden_layers
     args.warmup, args.reuse = max(1, args.steps // 10), False
     matched = sbs.matched_overrides(sbs.common_overrides(layers), args)
     variants = dict(v.split("=", 1) for v in args.variants)

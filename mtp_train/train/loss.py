@@ -3,6 +3,10 @@
 Per masked position and depth j (weight γ^j):  w_feat · SmoothL1(ĥ, h_next) + w_logit · CE(q, p),
 q = softmax(W ĥ), p = softmax(W h_next / T) recomputed from the stored hidden state through the frozen W.
 With `accept_weight` w > 0 (the LK loss) the CE becomes (1 - w) · CE(q, p) + w · (-log Σ min(p, q)).
+With `topk_weight` w_k > 0 (HASS's top-K distillation, arXiv 2408.15766) a row's term adds
+w_k · (-Σ_{x ∈ top-K(p)} p(x) log q(x)): the target's K likeliest tokens weigh (1 + w_k) times.
+With `align_topk` k > 0 (GRIFFIN's token-alignable loss mask, arXiv 2502.11018) an anchor's row at depth j has
+terms only while the draft's top-k held the target's argmax at every earlier depth: the chains decoding reaches.
 
 The distribution term never holds [tokens × vocab] for a whole batch: `ChunkedDistill` walks the selected
 positions in chunks, computes fp32 softmaxes, the loss, the metrics and the gradient with respect to ĥ
@@ -41,6 +45,17 @@ class LossConfig:
     # and SpecForge's choice) or "renormalise" (the term against the target renormalised over the draft vocabulary,
     # like every other position; speculators' choice). Either way they stay in the denominator and the metrics
     out_of_vocab: str = "drop"
+    # GRIFFIN's token-alignable training (arXiv 2502.11018): with k > 0 an anchor's row at depth j >= 2 has no term
+    # (feature or distribution) unless the draft's top-k at each earlier depth held the target's argmax, i.e. unless
+    # decoding that keeps k candidates a step could have reached it (1: a chain under greedy verification; GRIFFIN
+    # trains with 3 for trees). Rows it drops stay in the denominator and in the metrics; `d{k}/reached` is the
+    # share of a depth's rows that count. 0: every row counts (EAGLE-3's TTT)
+    align_topk: int = 0
+    # HASS's harmonized objective distillation (arXiv 2408.15766): each row's distribution term adds
+    # topk_weight · (-Σ_{x in the target's top-`topk`} p(x) log q(x)), so the tokens that decide acceptance weigh more
+    # than the tail the full CE also fits. 0 is off; HASS uses K = 10
+    topk_weight: float = 0.0
+    topk: int = 10
 
     def __post_init__(self) -> None:
         if self.w_feat < 0 or self.w_logit < 0 or self.w_feat + self.w_logit == 0:
@@ -56,6 +71,10 @@ class LossConfig:
             raise ValueError(f"loss.accept_weight={self.accept_weight}: must be in [0, 1]")
         if self.out_of_vocab not in OUT_OF_VOCAB:
             raise ValueError(f"loss.out_of_vocab={self.out_of_vocab!r}: must be one of {', '.join(OUT_OF_VOCAB)}")
+        if self.topk_weight < 0 or self.topk < 1:
+            raise ValueError(f"loss.topk_weight={self.topk_weight}, loss.topk={self.topk}: must be >= 0 and >= 1")
+        if self.align_topk < 0:
+            raise ValueError(f"loss.align_topk={self.align_topk}: must be >= 0 (0 is off)")
 
 
 OUT_OF_VOCAB = ("drop", "renormalise")
@@ -73,14 +92,15 @@ class ChunkedDistill(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, W, weight, temperature: float, chunk: int, accept_weight: float = 0.0):
+    def forward(ctx, x, y, W, weight, temperature: float, chunk: int, accept_weight: float = 0.0,
+                topk: tuple[float, int] = (0.0, 0)):
         N = x.shape[0]
         grad = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         metrics = torch.ones(N, 3, dtype=torch.float32, device=x.device)
         for s in range(0, N, chunk):
             xs, ys, ws = x[s:s + chunk], y[s:s + chunk], weight[s:s + chunk].float()
-            part, g = _full_chunk(xs, ys, W, ws, temperature, metrics[s:s + chunk], accept_weight)
+            part, g = _full_chunk(xs, ys, W, ws, temperature, metrics[s:s + chunk], accept_weight, topk)
             loss += part
             if grad is not None:
                 grad[s:s + chunk] = g.to(x.dtype)
@@ -92,7 +112,7 @@ class ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_metrics):
         (grad,) = ctx.saved_tensors
-        return (None if grad is None else grad * grad_loss.float().to(grad.dtype)), *[None] * 6
+        return (None if grad is None else grad * grad_loss.float().to(grad.dtype)), *[None] * 7
 
 
 class SharedTargetDistill(torch.autograd.Function):
@@ -113,7 +133,7 @@ class SharedTargetDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pos, y, weight, top, lse, Wd, ids, Wt, temperature: float, chunk: int,
-                accept_weight: float = 0.0, keep_outside: bool = False):
+                accept_weight: float = 0.0, keep_outside: bool = False, topk: tuple[float, int] = (0.0, 0)):
         N, P = x.shape[0], y.shape[0]
         grad = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         grad_wd = torch.zeros(Wd.shape, dtype=torch.float32, device=Wd.device) if ctx.needs_input_grad[6] else None
@@ -146,15 +166,19 @@ class SharedTargetDistill(torch.autograd.Function):
             ce = -(p_sub.unsqueeze(1) @ d.unsqueeze(2)).view(-1) * counts
             metrics[rows, 3] = ce
             ws = weight[rows].float() * counts
+            top_term, top_grad = _topk_term(d, p_sub, *topk) if topk[0] else (0.0, None)  # HASS; d is log q
             d.exp_()  # q
             if accept_weight:  # the LK term; α = Σ min(p_full, q), q = 0 outside
                 term, metrics[rows, 1] = _with_accept_term(d, p_sub, p_full, ce, accept_weight)
-                loss += (ws * term).sum()
+                loss += (ws * (term + top_term)).sum()
             else:
-                loss += (ws * ce).sum()
+                loss += (ws * (ce + top_term)).sum()
                 metrics[rows, 1] = torch.minimum(p_full, d, out=p_full).sum(-1)  # Σ min(p_full, q); q = 0 outside
                 d.sub_(p_sub)  # d CE / d draft logits
             del p_full, p_sub
+            if top_grad is not None:
+                d.add_(top_grad)
+                del top_grad
             d.mul_(ws[:, None])  # weighted d loss / d draft logits
             if grad_wd is not None:
                 grad_wd += d.T @ xs.float()
@@ -171,7 +195,7 @@ class SharedTargetDistill(torch.autograd.Function):
         grad, grad_wd = ctx.saved_tensors
         scale = grad_loss.float()
         return (None if grad is None else grad * scale.to(grad.dtype)), None, None, None, None, None, \
-            (None if grad_wd is None else (grad_wd * scale).to(ctx.wd_dtype)), None, None, None, None, None, None
+            (None if grad_wd is None else (grad_wd * scale).to(ctx.wd_dtype)), *[None] * 7
 
 
 def _softmax_(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -210,9 +234,22 @@ def _with_accept_term(q: torch.Tensor, p: torch.Tensor, p_full: torch.Tensor, ce
     return (1 - w) * ce + w * lk, alpha
 
 
-def _full_chunk(xs, ys, W, ws, temperature, metrics, accept_weight: float = 0.0):
-    """One chunk over the full vocabulary: two [n, V] fp32 buffers (three with the LK term), transformed in
-    place. Fills metrics[:, :2]; returns the chunk's weighted loss and its gradient with respect to xs."""
+def _topk_term(log_q: torch.Tensor, p: torch.Tensor, weight: float, k: int):
+    """HASS's top-K distillation for rows of log q [n, M] against p [n, M] (the distribution the CE reads): the
+    rows' weight · (-Σ_{x in top-k(p)} p_x log q_x) [n] and its gradient with respect to the draft's logits [n, M],
+    weight · (P q - p on the top k), P = Σ_{top k} p. One [n, M] buffer."""
+    idx = p.topk(min(k, p.shape[-1]), -1).indices
+    p_top = p.gather(-1, idx)
+    term = -(p_top * log_q.gather(-1, idx)).sum(-1)
+    grad = log_q.exp().mul_(p_top.sum(-1, keepdim=True)).scatter_add_(-1, idx, -p_top).mul_(weight)
+    return weight * term, grad
+
+
+def _full_chunk(xs, ys, W, ws, temperature, metrics, accept_weight: float = 0.0,
+                topk: tuple[float, int] = (0.0, 0)):
+    """One chunk over the full vocabulary: two [n, V] fp32 buffers (three with the LK term or the top-K one),
+    transformed in place. Fills metrics[:, :2]; returns the chunk's weighted loss and its gradient with respect to
+    xs."""
     p = (ys.to(W.dtype) @ W.T).float()  # target logits [n, V]
     top_p = p.argmax(-1)
     _softmax_(p, temperature)  # p = softmax(W y / T)
@@ -220,12 +257,15 @@ def _full_chunk(xs, ys, W, ws, temperature, metrics, accept_weight: float = 0.0)
     metrics[:, 0] = (d.argmax(-1) == top_p).float()
     d.sub_(d.logsumexp(-1, keepdim=True))  # log q
     term = -(p.unsqueeze(1) @ d.unsqueeze(2)).view(-1)  # CE: Σ p log q without a temporary
+    top_term, top_grad = _topk_term(d, p, *topk) if topk[0] else (0.0, None)  # HASS; d is log q
     if accept_weight:
         term, metrics[:, 1] = _with_accept_term(d.exp_(), p, p, term, accept_weight)
     else:
         d.exp_().sub_(p)  # q - p = d CE / d logits (Σp = 1)
         metrics[:, 1] = 1 - 0.5 * torch.linalg.vector_norm(d, ord=1, dim=-1)  # Σ min(p, q)
-    return (ws * term).sum(), d.mul_(ws[:, None]).to(W.dtype) @ W  # chain through x @ W.T
+    if top_grad is not None:
+        d.add_(top_grad)
+    return (ws * (term + top_term)).sum(), d.mul_(ws[:, None]).to(W.dtype) @ W  # chain through x @ W.T
 
 
 def target_stats(y: torch.Tensor, W: torch.Tensor, temperature: float, chunk: int
@@ -248,7 +288,7 @@ def target_stats(y: torch.Tensor, W: torch.Tensor, temperature: float, chunk: in
 
 
 def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=None, ids=None, Wt=None,
-               accept_weight: float = 0.0, keep_outside: bool = False):
+               accept_weight: float = 0.0, keep_outside: bool = False, topk: tuple[float, int] = (0.0, 0)):
     """The distribution term of rows x [N, H] against target states y [N, H]: over the full vocabulary
     (`ChunkedDistill`), or with a draft vocabulary (`ids`, the draft's lm_head `Wd`, trainable or W's rows, and
     `Wt`, W's rows of the draft vocabulary when `Wd` is the head's own) through `SharedTargetDistill`, each row
@@ -257,12 +297,27 @@ def distill_ce(x, y, W, weight, temperature: float = 1.0, chunk: int = 1024, Wd=
     if ids is None:
         if Wd is not None and Wd.requires_grad:
             raise NotImplementedError("a trainable lm_head is supported over a draft vocabulary (ids) only")
-        return ChunkedDistill.apply(x, y, W, weight, temperature, chunk, accept_weight)
+        return ChunkedDistill.apply(x, y, W, weight, temperature, chunk, accept_weight, topk)
     top, lse = target_stats(y, W, temperature, chunk)
     pos = torch.arange(x.shape[0], device=x.device)
     loss, metrics = SharedTargetDistill.apply(x, pos, y, weight, top, lse, Wd, ids, Wd if Wt is None else Wt,
-                                              temperature, chunk, accept_weight, keep_outside)
+                                              temperature, chunk, accept_weight, keep_outside, topk)
     return loss, metrics[:, :3]
+
+
+def draft_holds(x: torch.Tensor, Wd: torch.Tensor, ids: torch.Tensor | None, top: torch.Tensor, k: int,
+                chunk: int) -> torch.Tensor:
+    """[n] bool: whether the draft's top-k tokens for rows x [n, H] (its logits x Wd^T over its vocabulary; `ids`
+    [M] maps them to target ids, None when Wd is the full lm_head) hold the target id `top` [n]. No gradient."""
+    out = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    k = min(k, Wd.shape[0])
+    with torch.no_grad():
+        for s in range(0, x.shape[0], chunk):
+            cand = (x[s:s + chunk].to(Wd.dtype) @ Wd.T).float().topk(k, -1).indices
+            if ids is not None:
+                cand = ids[cand]
+            out[s:s + chunk] = (cand == top[s:s + chunk, None]).any(-1)
+    return out
 
 
 def predicted_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, depth_index: int) -> torch.Tensor:
@@ -360,6 +415,10 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
     Those need the target's full-vocabulary argmax and logsumexp at every position the loss reads: `stats` (a
     `TargetStats`, built from `W` and `cfg` when not given) computes them per sample and, given the batch's sample
     `index` [B], keeps them for the next epoch.
+
+    With `cfg.align_topk` k > 0 a row of depth j >= 2 has terms only when its anchor's draft at every earlier depth
+    held the target's argmax in its top-k (`draft_holds`); `d{k}/reached` is the share of depth k's rows that do,
+    and `d{k}/ce` is over those rows (the other metrics stay over all counted positions).
     """
     ce_fn = ce or distill_ce
     sub = draft is not None and draft.ids is not None
@@ -367,6 +426,7 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
     extra = (draft.weight, draft.ids) if sub else ()
     own = {"Wt": draft.target_rows} if sub and draft.target_rows is not None else {}  # eagle3: its own lm_head
     sels = [predicted_mask(loss_mask, lengths, j) for j in range(len(outputs))]
+    T = loss_mask.shape[1]
     shared = sub and ce is None  # every depth in one pass over the target positions (SharedTargetDistill)
     if shared:
         # each target position's full-vocabulary argmax and logsumexp, once: at depth j anchor i reads h_{i+1+j},
@@ -377,8 +437,9 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
         at = need.nonzero(as_tuple=True)
         slot = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
         slot[at] = torch.arange(at[0].shape[0], device=need.device)
-        T = loss_mask.shape[1]
         rows_x, rows_pos, rows_w, counted = [], [], [], []
+    align = cfg.align_topk > 0
+    reach = torch.ones(loss_mask.shape, dtype=torch.bool, device=loss_mask.device) if align else None
     # zero that still depends on the head: a batch with nothing to count backpropagates zeros, not an error
     total = sum(o.sum() for o in outputs).float() * 0.0
     metrics: dict[str, float] = {}
@@ -396,23 +457,39 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
         target = torch.zeros_like(hidden)
         target[:, :-shift] = hidden[:, shift:]  # h_{i+1+j}
         x, y = h_hat[sel], target[sel]  # [n, H]
-        feat_sum = F.smooth_l1_loss(x.float(), y.float(), reduction="none").mean(-1).sum()
-        metrics[f"{key}/feat"] = (feat_sum / n).item()
+        feat_rows = F.smooth_l1_loss(x.float(), y.float(), reduction="none").mean(-1)
+        metrics[f"{key}/feat"] = (feat_rows.sum() / n).item()
+        kept = reach[sel] if align else None  # the rows whose chain decoding reaches (align_topk)
+        feat_sum = feat_rows.sum() if kept is None else (feat_rows * kept).sum()
+        if align:
+            metrics[f"{key}/reached"] = kept.float().mean().item()
+        w = max(0, T - 1 - j)  # anchors whose target position exists (sel is False past them)
         if shared:
-            w = max(0, T - 1 - j)  # anchors whose target position exists (sel is False past them)
             rows_x.append(x)
             rows_pos.append(slot[:, 1 + j:1 + j + w][sel[:, :w]])
-            rows_w.append(torch.full((n,), cfg.gamma ** j * cfg.w_logit / denom, device=x.device))
-            counted.append((key, n))
+            rows_w.append(torch.full((n,), cfg.gamma ** j * cfg.w_logit / denom, device=x.device)
+                          if kept is None else kept.float() * (cfg.gamma ** j * cfg.w_logit / denom))
+            counted.append((key, n, kept))
             total = total + cfg.gamma ** j * cfg.w_feat * (feat_sum / denom)
+        if align and j + 1 < len(outputs):  # which anchors' chains go on to the next depth
+            top_rows = top[:, 1 + j:1 + j + w][sel[:, :w]] if shared else target_stats(
+                y, W, cfg.temperature, cfg.chunk_tokens)[0]
+            holds = draft_holds(x.detach(), draft.weight if sub else W, draft.ids if sub else None, top_rows,
+                                cfg.align_topk, cfg.chunk_tokens)
+            reach = torch.zeros_like(reach)
+            reach[sel] = holds & kept
+        if shared:
             continue
         lk = {"accept_weight": cfg.accept_weight} if cfg.accept_weight else {}  # a `ce` replacement may not take it
         if keep_outside:
             lk["keep_outside"] = True
-        ce_sum, per_row = ce_fn(x, y, W, x.new_full((n,), 1.0 / denom), cfg.temperature, cfg.chunk_tokens, *extra,
-                                **own, **lk)
+        if cfg.topk_weight:
+            lk["topk"] = (cfg.topk_weight, cfg.topk)
+        weight = x.new_full((n,), 1.0 / denom) if kept is None else kept.to(x.dtype) / denom
+        ce_sum, per_row = ce_fn(x, y, W, weight, cfg.temperature, cfg.chunk_tokens, *extra, **own, **lk)
         total = total + cfg.gamma ** j * (cfg.w_feat * (feat_sum / denom) + cfg.w_logit * ce_sum)
-        metrics[f"{key}/ce"] = ce_sum.item() if denom == n else ce_sum.item() * denom / n
+        n_kept = n if kept is None else max(1, int(kept.sum()))
+        metrics[f"{key}/ce"] = ce_sum.item() if denom == n_kept else ce_sum.item() * denom / n_kept
         metrics[f"{key}/acc"] = per_row[:, 0].mean().item()
         metrics[f"{key}/accept"] = per_row[:, 1].mean().item()
         if sub:
@@ -422,11 +499,13 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
         loss, per_row = SharedTargetDistill.apply(
             torch.cat(rows_x), torch.cat(rows_pos), hidden[at], torch.cat(rows_w), top[at], lse[at], draft.weight,
             draft.ids, draft.target_weight, cfg.temperature, max(1, cfg.chunk_tokens // len(outputs)),
-            cfg.accept_weight, keep_outside)
+            cfg.accept_weight, keep_outside, (cfg.topk_weight, cfg.topk))
         total = total + loss
-        for (key, n), part in zip(counted, per_row.split([n for _, n in counted])):
+        for (key, n, kept), part in zip(counted, per_row.split([n for _, n, _ in counted])):
             means = part.mean(0).tolist()
             metrics[f"{key}/acc"], metrics[f"{key}/accept"] = means[0], means[1]
             metrics[f"{key}/in_vocab"], metrics[f"{key}/ce"] = means[2], means[3]
+            if kept is not None:  # align_topk: the CE of the rows that count
+                metrics[f"{key}/ce"] = (part[:, 3] * kept).sum().item() / max(1, int(kept.sum()))
     metrics["loss"] = total.item()
     return total, metrics

@@ -153,8 +153,11 @@ METRICS = ("feat", "ce", "acc", "accept")  # per depth, averaged over counted po
 DRAFT_VOCAB_METRICS = METRICS + ("in_vocab",)  # with a draft vocabulary (head.draft_vocab > 0)
 
 
-def metric_names(head: DraftHead) -> tuple[str, ...]:
-    return DRAFT_VOCAB_METRICS if head.cfg.draft_vocab else METRICS
+def metric_names(head: DraftHead, loss: LossConfig | None = None) -> tuple[str, ...]:
+    """The per-depth metrics the trainer logs: `in_vocab` with a draft vocabulary, `reached` with
+    `train.loss.align_topk`."""
+    names = DRAFT_VOCAB_METRICS if head.cfg.draft_vocab else METRICS
+    return names + ("reached",) if loss is not None and loss.align_topk else names
 
 
 def _add_weighted(sums: torch.Tensor, m: dict, depth: int, names: tuple[str, ...] = METRICS) -> None:
@@ -191,7 +194,7 @@ def evaluate(head: DraftHead, frozen: FrozenTarget, batches, depth: int, loss_cf
     `steps`: forward passes to make; past the end of this rank's batches `filler` (a batch) is computed and
     not counted (ZeRO-3 gathers parameters in every forward, so every rank must make the same number).
     `stats`: the val split's `TargetStats` (the trainer keeps one across its evaluations)."""
-    names = metric_names(head)
+    names = metric_names(head, loss_cfg)
     sums = torch.zeros(depth, 1 + len(names), dtype=torch.float64)
     was_training = head.training
     head.eval()
@@ -256,7 +259,7 @@ class Trainer:
         if cfg.head.draft_vocab:
             self.draft_vocab = choose_draft_vocab(self.train_store, cfg.head.draft_vocab, self.target_config.vocab_size)
             self.head.set_draft_vocab(self.draft_vocab.ids, self.frozen.lm_head_weight)
-        self.metric_names = metric_names(self.head)
+        self.metric_names = metric_names(self.head, self.tc.loss)
         # the target's full-vocabulary argmax / logsumexp per sample, kept across epochs (store features only:
         # online ones are recomputed on every visit, so their stats are too)
         self.target_stats = {
