@@ -67,6 +67,14 @@ SETTINGS_NOT_MATCHED = [
 ]
 
 
+def target_layers(recipe: str, base: Path) -> int:
+    """The target's decoder-layer count, from the recipe's target as `base` (a prepared run dir) configures it."""
+    from mtp_train.config import compose
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(compose(recipe, [f"run_dir={base}"]).target.path).num_hidden_layers
+
+
 def common_overrides(layers: int, extra: list[str] = ()) -> list[str]:
     """Our eagle3 run on the base store (which also holds layer `layers`, the pre-norm final state)."""
     return ["head.variant=eagle3", f"store.layers=[{layers}]", "train.loss.w_feat=0", "target.device=cpu", *extra]
@@ -295,9 +303,7 @@ def main() -> None:
     from mtp_train.config import compose
     from write import write
 
-    from transformers import AutoConfig
-
-    layers = AutoConfig.from_pretrained(compose(args.recipe, [f"run_dir={args.base}"]).target.path).num_hidden_layers
+    layers = target_layers(args.recipe, args.base)
     common = common_overrides(layers, args.overrides)
     base_cfg = compose(args.recipe, [f"run_dir={args.base}", *common])
     peers_json = args.work / "data" / "peers.json"

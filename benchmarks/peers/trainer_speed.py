@@ -69,12 +69,8 @@ def main() -> None:
         peers_json = args.data / "peers.json"
         peers = json.loads(peers_json.read_text())
         layers = peers["num_layers"]
-    else:  # ours alone: the target's layer count from the recipe, as side_by_side.py reads it
-        from transformers import AutoConfig
-
-        from mtp_train.config import compose
-        target_path = compose(args.recipe, [f"run_dir={args.base}"]).target.path
-        layers = AutoConfig.from_pretrained(target_path).num_hidden_layers
+    else:  # ours alone: the target's layer count from the recipe
+        layers = sbs.target_layers(args.recipe, args.base)
     args.warmup, args.reuse = max(1, args.steps // 10), False
     matched = sbs.matched_overrides(sbs.common_overrides(layers), args)
     variants = dict(v.split("=", 1) for v in args.variants)
