@@ -225,27 +225,35 @@ def test_head_loss_over_a_draft_vocabulary_has_the_gradients_of_the_formula(chun
 
 
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("vocab", ["draft", "full"])
-def test_the_alignment_mask_keeps_the_rows_decoding_reaches(k, vocab):
+@pytest.mark.parametrize("vocab", ["draft", "draft-per-depth", "full"])
+def test_the_alignment_mask_keeps_the_rows_decoding_reaches(k, vocab, monkeypatch):
     """`loss.align_topk` (GRIFFIN's token-alignable training): an anchor's row at depth j counts only while the
     draft's top-k at every earlier depth held the target's full-vocabulary argmax; the others have no term, stay in
     the mean's denominator and in acc / accept; `reached` is the share that counts and `ce` is over those rows.
-    Loss, gradients and metrics against a direct per-anchor reference, over a draft vocabulary (one shared pass)
-    and over the full vocabulary."""
+    Loss, gradients and metrics against a direct per-anchor reference, over a draft vocabulary (one shared pass, or
+    a `ce` given, one call per depth) and over the full vocabulary. Per depth at k = 1 the CE's own agreement column
+    is the test: no extra pass over the vocabulary (`draft_holds`) is made."""
+    from mtp_train.train import loss as loss_module
+    holds_calls = []
+    real_holds = loss_module.draft_holds
+    monkeypatch.setattr(loss_module, "draft_holds", lambda *a, **kw: holds_calls.append(1) or real_holds(*a, **kw))
     torch.manual_seed(6)
     B, T, Hd, V, M, depth = 3, 12, 8, 41, 15, 3
     hidden, W = torch.randn(B, T, Hd), torch.randn(V, Hd)
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(2))[:M].sort().values
-    if vocab == "draft":  # targets whose argmax is mostly a draft token, so that chains go on
+    if vocab.startswith("draft"):  # targets whose argmax is mostly a draft token, so that chains go on
         hidden = 0.3 * hidden + 0.8 * W[ids][torch.randint(M, (B, T))]
     loss_mask, lengths = (torch.rand(B, T) > 0.2).to(torch.int8), torch.tensor([12, 9, 11])
     # each depth's output near the state it predicts: some drafts right, some wrong
     outs = [(torch.roll(hidden, -1 - j, 1) + 0.5 * torch.randn(B, T, Hd)).requires_grad_(True)
             for j in range(depth)]
-    draft = DraftLMHead(W[ids].clone(), ids, None) if vocab == "draft" else None
-    Wd, tid = (W[ids], ids) if vocab == "draft" else (W, torch.arange(V))
+    sub = vocab.startswith("draft")
+    draft = DraftLMHead(W[ids].clone(), ids, None) if sub else None
+    Wd, tid = (W[ids], ids) if sub else (W, torch.arange(V))
     cfg = LossConfig(w_feat=0.2, w_logit=0.9, gamma=0.7, chunk_tokens=5, align_topk=k)
-    total, m = head_loss(outs, hidden, loss_mask, lengths, W, cfg, draft=draft)
+    total, m = head_loss(outs, hidden, loss_mask, lengths, W, cfg, draft=draft,
+                         ce=distill_ce if vocab == "draft-per-depth" else None)
+    assert len(holds_calls) == (0 if k == 1 and vocab != "draft" else depth - 1)
     ref_outs = [o.detach().clone().requires_grad_(True) for o in outs]
     reach = {(b, i): True for b in range(B) for i in range(T)}
     expect, seen = 0.0, []

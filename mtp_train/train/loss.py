@@ -404,7 +404,8 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
     and the step's loss is the sum of its micro-batches' losses, however they are spread over ranks.
     Metrics: `d{k}/{feat,ce,acc,accept,n}` for depth k = j + 1 (1 = the first drafted token): means over
     this batch's counted positions and their count; and `loss`, the returned loss. `ce` replaces `distill_ce`
-    (same signature; the train-step benchmark passes a full-logits implementation to compare against).
+    (same signature and per-row metrics, column 0 the top-1 agreement, which `align_topk=1` reads; the train-step
+    benchmark passes a full-logits implementation to compare against).
 
     `draft` is the head's `DraftLMHead` (`DraftHead.draft_lm_head(W)`); with a draft vocabulary the CE is
     against the target renormalised over it, and positions whose target argmax is outside count as zero
@@ -471,10 +472,9 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
                           if kept is None else kept.float() * (cfg.gamma ** j * cfg.w_logit / denom))
             counted.append((key, n, kept))
             total = total + cfg.gamma ** j * cfg.w_feat * (feat_sum / denom)
-        if align and j + 1 < len(outputs):  # which anchors' chains go on to the next depth
-            top_rows = top[:, 1 + j:1 + j + w][sel[:, :w]] if shared else target_stats(
-                y, W, cfg.temperature, cfg.chunk_tokens)[0]
-            holds = draft_holds(x.detach(), draft.weight if sub else W, draft.ids if sub else None, top_rows,
+        going_on = align and j + 1 < len(outputs)  # which anchors' chains go on to the next depth
+        if going_on and shared:  # depth j + 1's rows must be known before the single pass over every depth
+            holds = draft_holds(x.detach(), draft.weight, draft.ids, top[:, 1 + j:1 + j + w][sel[:, :w]],
                                 cfg.align_topk, cfg.chunk_tokens)
             reach = torch.zeros_like(reach)
             reach[sel] = holds & kept
@@ -494,6 +494,14 @@ def head_loss(outputs: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torc
         metrics[f"{key}/accept"] = per_row[:, 1].mean().item()
         if sub:
             metrics[f"{key}/in_vocab"] = per_row[:, 2].mean().item()
+        if going_on:
+            # top-1: the CE's own agreement column (the draft's argmax, as a target id, against the target's
+            # full-vocabulary argmax) is the test, and no second pass over the vocabulary is made
+            holds = per_row[:, 0] > 0.5 if cfg.align_topk == 1 else draft_holds(
+                x.detach(), draft.weight if sub else W, draft.ids if sub else None,
+                target_stats(y, W, cfg.temperature, cfg.chunk_tokens)[0], cfg.align_topk, cfg.chunk_tokens)
+            reach = torch.zeros_like(reach)
+            reach[sel] = holds & kept
     if shared and counted:
         # a chunk of c positions is read by up to depth x c rows: chunk_tokens // depth positions keep the peak
         loss, per_row = SharedTargetDistill.apply(
