@@ -244,6 +244,35 @@ def test_init_layer_starts_from_the_target_layer(saved_target, variant):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_init_fc_passes_one_aux_layer_through(saved_target):
+    """head.init_fc=1: eagle3's fc maps the fused features [layer 0 | layer 1] to layer 1's block exactly (with
+    or without its input norm); every other parameter is the random start's; a layer it does not fuse, a
+    negative index and another variant are refused."""
+    from mtp_train.train.trainer import build_head
+
+    _, single, _ = saved_target
+    base = {"variant": "eagle3", "draft_vocab": 50, "aux_layers": [0, 1]}
+    plain, _, _ = build_head(str(single), HeadConfig(**base), "cpu", seed=5)
+    torch.manual_seed(7)
+    feats = torch.randn(2, 5, 2 * H) * 3
+    for extra in ({}, {"norm_before_fc": True}):
+        head, _, _ = build_head(str(single), HeadConfig(init_fc=1, **base, **extra), "cpu", seed=5)
+        fused = head.input_norm(feats) if extra else feats
+        with torch.no_grad():
+            torch.testing.assert_close(head.fc(fused), fused[..., H:], rtol=0, atol=0)
+        if not extra:
+            others = dict(plain.named_parameters())
+            for n, p in head.named_parameters():
+                if n != "fc.weight":
+                    torch.testing.assert_close(p, others[n], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"head.init_fc=2: not one of the head's aux layers \[0, 1\]"):
+        build_head(str(single), HeadConfig(init_fc=2, **base), "cpu", seed=0)
+    with pytest.raises(ValueError, match="head.init_fc=-2"):
+        HeadConfig(init_fc=-2, **base)
+    with pytest.raises(ValueError, match="head.init_fc=0 is for head.variant=eagle3"):
+        HeadConfig(variant="mtp", init_fc=0)
+
+
 def test_init_layer_out_of_range_or_mismatched_is_refused(saved_target, tmp_path):
     from mtp_train.train.trainer import build_head
 

@@ -93,6 +93,9 @@ class HeadConfig:
     # norms, read from the target's safetensors) instead of N(0, initializer_range); -1 = that random start. An
     # eagle3 layer's q, k, v read 2H: the target's weights go to the feature half, the token half stays random.
     init_layer: int = -1
+    # eagle3: fc starts as the identity on the block of target layer `init_fc` (one of the aux layers) and zero on
+    # the others, so the head's layer first reads that target residual as it is; -1 = random N(0, initializer_range)
+    init_fc: int = -1
 
     def __post_init__(self) -> None:
         if self.draft_vocab < 0:
@@ -111,6 +114,11 @@ class HeadConfig:
         if self.init_layer < -1:
             raise ValueError(f"head.init_layer={self.init_layer}: expected -1 (random start) or a target layer "
                              "index 0..L-1")
+        if self.init_fc < -1:
+            raise ValueError(f"head.init_fc={self.init_fc}: expected -1 (random start) or one of the aux layers")
+        if self.init_fc != -1 and self.variant != "eagle3":
+            raise ValueError(f"head.init_fc={self.init_fc} is for head.variant=eagle3 (this head is {self.variant}); "
+                             "leave it at -1")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"head.attn_implementation={self.attn_implementation!r}: expected sdpa or eager "
                              "(the head's training-time attention pattern needs an explicit mask)")
@@ -397,6 +405,17 @@ class DraftHead(nn.Module):
             self.t2d[ids.to(self.t2d.device)] = True
             if self.cfg.variant == "eagle3" and lm_head_weight is not None:
                 self.lm_head.weight.copy_(lm_head_weight.index_select(0, ids.to(lm_head_weight.device)))
+
+    def init_fc_identity(self, layer: int) -> None:
+        """eagle3's fc as the identity on target layer `layer`'s block of the fused features and zero elsewhere
+        (`head.init_fc`): fc(features) is then that layer's residual (after `input_norm` with `norm_before_fc`)."""
+        if layer not in self.aux_layers:
+            raise ValueError(f"head.init_fc={layer}: not one of the head's aux layers {self.aux_layers} (fc starts "
+                             "as the identity on one of the target layers it fuses); set it to one of them or -1")
+        H, k = self.hidden_size, self.aux_layers.index(layer)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, k * H:(k + 1) * H].copy_(torch.eye(H))
 
     def draft_lm_head(self, W: torch.Tensor) -> DraftLMHead:
         """What the head drafts with, given the target's lm_head weight W [V, H]: W's rows for the draft

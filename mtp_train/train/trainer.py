@@ -138,6 +138,8 @@ def build_head(target_path: str, head_cfg, device, seed: int,
     init_head_weights(head, getattr(target_config, "initializer_range", 0.02))
     frozen = FrozenTarget.from_pretrained(target_path, dtype=frozen_dtype, device="cpu")
     head.init_from_target(frozen)
+    if head_cfg.init_fc >= 0:
+        head.init_fc_identity(head_cfg.init_fc)
     if head_cfg.init_layer >= 0:
         keys = target_layer_keys(head, head_cfg.init_layer, target_config.num_hidden_layers)
         missing = load_target_layer(head, read_tensors(target_path, sorted(set(keys.values()))), keys)
@@ -566,6 +568,8 @@ class Trainer:
         strategy = self.strategy + (f" ZeRO-{tc.zero_stage}" if self.strategy == "deepspeed" else "")
         layer = self.cfg.head.init_layer
         start = f", its layer from the target's layer {layer}" if layer >= 0 else ""
+        if self.cfg.head.init_fc >= 0:
+            start += f", fc the identity on aux layer {self.cfg.head.init_fc}"
         self.say(f"train: head {self.cfg.head.variant} ({n_params:,} trainable parameters{start}), depth {tc.depth}, "
                  f"{len(self.train_store):,} train samples, {self.steps_per_epoch} steps/epoch, "
                  f"{self.total_steps} steps, lr {tc.lr}, {tc.precision} on {self.device}, {strategy} x {self.world}"
