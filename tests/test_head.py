@@ -273,6 +273,36 @@ def test_init_fc_passes_one_aux_layer_through(saved_target):
         HeadConfig(variant="mtp", init_fc=0)
 
 
+def test_init_token_half_zero_starts_eagle3_as_the_target_layer(saved_target):
+    """head.init_layer=1 head.init_token_half=zero: eagle3's layer computes the target's layer 1 on the features
+    whatever the token embedding is (the token half of q, k, v is zero, the feature half the target's); with the
+    default the token half is the random start's. Another value is refused."""
+    from mtp_train.train.trainer import build_head
+
+    model, single, _ = saved_target
+    base = {"variant": "eagle3", "draft_vocab": 50, "aux_layers": [0, 1], "init_layer": 1}
+    head, _, _ = build_head(str(single), HeadConfig(init_token_half="zero", **base), "cpu", seed=5)
+    plain, _, _ = build_head(str(single), HeadConfig(**base), "cpu", seed=5)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w, w0 = getattr(head.layer.self_attn, name).weight, getattr(plain.layer.self_attn, name).weight
+        assert not w[:, :H].any() and w0[:, :H].abs().sum() > 0
+        torch.testing.assert_close(w[:, H:], w0[:, H:], rtol=0, atol=0)
+    torch.manual_seed(6)
+    x, pos = torch.randn(1, 5, H), torch.arange(5)[None]
+    mask = additive_mask(torch.ones(5, 5, dtype=torch.bool).tril()[None, None], x.dtype)
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        want = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos))
+        want = want[0] if isinstance(want, tuple) else want
+        for emb in (torch.randn(1, 5, H), torch.randn(1, 5, H) * 10):
+            got = head.layer(emb, x, mask, head.rotary_emb(x, pos))
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="head.init_token_half='ones'"):
+        HeadConfig(init_token_half="ones", **base)
+    with pytest.raises(ValueError, match="head.init_token_half=zero is for head.variant=eagle3 with head.init_layer"):
+        HeadConfig(init_token_half="zero", **{**base, "init_layer": -1})
+
+
 def test_init_layer_out_of_range_or_mismatched_is_refused(saved_target, tmp_path):
     from mtp_train.train.trainer import build_head
 

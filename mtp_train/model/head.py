@@ -96,6 +96,9 @@ class HeadConfig:
     # eagle3: fc starts as the identity on the block of target layer `init_fc` (one of the aux layers) and zero on
     # the others, so the head's layer first reads that target residual as it is; -1 = random N(0, initializer_range)
     init_fc: int = -1
+    # eagle3 with init_layer: the token half [:, :H] of q, k, v starts `random` (N(0, initializer_range)) or `zero`
+    # (the layer then starts as the target's layer on the features alone)
+    init_token_half: str = "random"
 
     def __post_init__(self) -> None:
         if self.draft_vocab < 0:
@@ -119,6 +122,11 @@ class HeadConfig:
         if self.init_fc != -1 and self.variant != "eagle3":
             raise ValueError(f"head.init_fc={self.init_fc} is for head.variant=eagle3 (this head is {self.variant}); "
                              "leave it at -1")
+        if self.init_token_half not in ("random", "zero"):
+            raise ValueError(f"head.init_token_half={self.init_token_half!r}: expected random or zero")
+        if self.init_token_half == "zero" and (self.variant != "eagle3" or self.init_layer < 0):
+            raise ValueError("head.init_token_half=zero is for head.variant=eagle3 with head.init_layer=i (it zeroes "
+                             "the token half of the q, k, v that start from the target's layer i)")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"head.attn_implementation={self.attn_implementation!r}: expected sdpa or eager "
                              "(the head's training-time attention pattern needs an explicit mask)")
@@ -472,6 +480,8 @@ def load_target_layer(head: DraftHead, tensors: dict[str, torch.Tensor], keys: d
                 p.copy_(t)
             elif head.cfg.variant == "eagle3" and p.dim() == 2 and p.shape == (t.shape[0], 2 * t.shape[1]):
                 p[:, t.shape[1]:].copy_(t)
+                if head.cfg.init_token_half == "zero":
+                    p[:, :t.shape[1]].zero_()
             else:
                 raise ValueError(f"head.init_layer: the target's {key} is {tuple(t.shape)}, the head's {name} "
                                  f"is {tuple(p.shape)}: this target's layer cannot start this head")
