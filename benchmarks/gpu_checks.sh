@@ -11,7 +11,8 @@
 #      with the target in fp32 to tell bf16 near-tie flips from bugs (greedy_identical).
 #   3. benchmarks/decode_profile.py on that run in bf16: ms per speculative step against the target alone, greedy
 #      and sampled, and the ops that take the time (the attention backend among them).
-#   4. the EAGLE-3 pipeline (recipe tiny-eagle3) on the GPU in bf16.
+#   4. the EAGLE-3 pipeline (recipe tiny-eagle3) on the GPU in bf16; eagle3_init_bf16: the same with the start
+#      options SmolLM2's best eagle3 head trains with (head.init_fc / head.init_layer, norm_output, the LK term).
 #   5. benchmarks/gpu_forward_time.py: a Llama-3.1-8B-shaped target's forward over n new tokens at batch b and
 #      context c, and a one-layer model beside it (the speed predictor's ground truth).
 #
@@ -24,7 +25,7 @@
 set -u
 OUT_DIR=${1:-${OUT:-benchmarks/results/gpu}}
 mkdir -p "$OUT_DIR"
-ALL="train_step train_step_ac train_step_online pipeline_bf16 decode_profile validate_fp32 eagle3_bf16 forward_time"
+ALL="train_step train_step_ac train_step_online pipeline_bf16 decode_profile validate_fp32 eagle3_bf16 eagle3_init_bf16 forward_time"
 CHECKS=${CHECKS:-$ALL}
 for c in $CHECKS; do case " $ALL " in *" $c "*) ;; *) echo "unknown check $c (known: $ALL)"; exit 2;; esac; done
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -53,7 +54,10 @@ torch.version.cuda, 'transformers', transformers.__version__, 'datasets', datase
   | tee -a "$OUT_DIR/log.txt"
 
 RUN=/tmp/tiny-gpu
-GPU="target.device=cuda target.dtype=bfloat16 train.precision=bf16"
+# validate.retimes=0: the tiny target is launch-bound on a GPU and its timing rounds spread 20-55% there, so the
+# default re-timing (up to 2 more rounds per row) tripled validate's time (third H200 session) for speeds that are
+# noise around 1x on this target anyway.
+GPU="target.device=cuda target.dtype=bfloat16 train.precision=bf16 validate.retimes=0"
 check() {  # check NAME: one step and the files it leaves
   case $1 in
   train_step)
@@ -74,11 +78,16 @@ check() {  # check NAME: one step and the files it leaves
     [ -f benchmarks/results/decode_profile-cuda-bfloat16.json ] && cp benchmarks/results/decode_profile-cuda-bfloat16.json "$OUT_DIR/";;
   validate_fp32)
     step validate_fp32 90 $PY -m mtp_train.cli validate recipe=tiny run_dir=$RUN target.device=cuda \
-      target.dtype=float32 train.precision=bf16
+      target.dtype=float32 train.precision=bf16 validate.retimes=0
     [ -f $RUN/validation/report.json ] && cp $RUN/validation/report.json "$OUT_DIR/tiny_report_fp32.json";;
   eagle3_bf16)
     step eagle3_bf16 220 $PY -m mtp_train.cli pipeline recipe=tiny-eagle3 run_dir=/tmp/tiny-eagle3-gpu $GPU
     [ -f /tmp/tiny-eagle3-gpu/validation/report.json ] && cp /tmp/tiny-eagle3-gpu/validation/report.json "$OUT_DIR/tiny_eagle3_report_bf16.json";;
+  eagle3_init_bf16)
+    step eagle3_init_bf16 220 $PY -m mtp_train.cli pipeline recipe=tiny-eagle3 run_dir=/tmp/tiny-eagle3-init-gpu $GPU \
+      head.init_fc=2 head.init_layer=3 head.norm_output=true train.loss.accept_weight=0.5
+    [ -f /tmp/tiny-eagle3-init-gpu/validation/report.json ] && \
+      cp /tmp/tiny-eagle3-init-gpu/validation/report.json "$OUT_DIR/tiny_eagle3_init_report_bf16.json";;
   forward_time)
     step forward_time 150 $PY benchmarks/gpu_forward_time.py
     [ -f benchmarks/results/gpu_forward_time.json ] && cp benchmarks/results/gpu_forward_time.json "$OUT_DIR/";;
