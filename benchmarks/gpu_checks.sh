@@ -58,6 +58,11 @@ RUN=/tmp/tiny-gpu
 # default re-timing (up to 2 more rounds per row) tripled validate's time (third H200 session) for speeds that are
 # noise around 1x on this target anyway.
 GPU="target.device=cuda target.dtype=bfloat16 train.precision=bf16 validate.retimes=0"
+eagle3() {  # eagle3 NAME RUN REPORT [OVERRIDES...]: the tiny-eagle3 pipeline in /tmp/RUN, its report as $OUT_DIR/REPORT
+  local name=$1 run=/tmp/$2 report=$3; shift 3
+  step "$name" 220 $PY -m mtp_train.cli pipeline recipe=tiny-eagle3 run_dir="$run" $GPU "$@"
+  [ -f "$run/validation/report.json" ] && cp "$run/validation/report.json" "$OUT_DIR/$report"
+}
 check() {  # check NAME: one step and the files it leaves
   case $1 in
   train_step)
@@ -80,14 +85,10 @@ check() {  # check NAME: one step and the files it leaves
     step validate_fp32 90 $PY -m mtp_train.cli validate recipe=tiny run_dir=$RUN target.device=cuda \
       target.dtype=float32 train.precision=bf16 validate.retimes=0
     [ -f $RUN/validation/report.json ] && cp $RUN/validation/report.json "$OUT_DIR/tiny_report_fp32.json";;
-  eagle3_bf16)
-    step eagle3_bf16 220 $PY -m mtp_train.cli pipeline recipe=tiny-eagle3 run_dir=/tmp/tiny-eagle3-gpu $GPU
-    [ -f /tmp/tiny-eagle3-gpu/validation/report.json ] && cp /tmp/tiny-eagle3-gpu/validation/report.json "$OUT_DIR/tiny_eagle3_report_bf16.json";;
+  eagle3_bf16) eagle3 eagle3_bf16 tiny-eagle3-gpu tiny_eagle3_report_bf16.json;;
   eagle3_init_bf16)
-    step eagle3_init_bf16 220 $PY -m mtp_train.cli pipeline recipe=tiny-eagle3 run_dir=/tmp/tiny-eagle3-init-gpu $GPU \
-      head.init_fc=2 head.init_layer=3 head.norm_output=true train.loss.accept_weight=0.5
-    [ -f /tmp/tiny-eagle3-init-gpu/validation/report.json ] && \
-      cp /tmp/tiny-eagle3-init-gpu/validation/report.json "$OUT_DIR/tiny_eagle3_init_report_bf16.json";;
+    eagle3 eagle3_init_bf16 tiny-eagle3-init-gpu tiny_eagle3_init_report_bf16.json \
+      head.init_fc=2 head.init_layer=3 head.norm_output=true train.loss.accept_weight=0.5;;
   forward_time)
     step forward_time 150 $PY benchmarks/gpu_forward_time.py
     [ -f benchmarks/results/gpu_forward_time.json ] && cp benchmarks/results/gpu_forward_time.json "$OUT_DIR/";;
