@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import command, machine  # noqa: E402
+from timing import PLAIN_HEAD, command, machine  # noqa: E402
 
 VARIANTS = ("mtp", "eagle1", "eagle3")
 DEPTH = 5  # teacher-forced depths and greedy k reported
@@ -37,7 +37,7 @@ AUX = {"tiny": [1, 2, 3]}  # the tiny target's 4 layers repeat one in the defaul
 
 def overrides(args, variant: str) -> list[str]:
     aux = AUX.get(args.recipe)
-    out = [f"head.variant={variant}", f"head.draft_vocab={args.draft_vocab}",
+    out = [*PLAIN_HEAD, f"head.variant={variant}", f"head.draft_vocab={args.draft_vocab}",
            f"train.depth={args.eagle3_depth if variant == 'eagle3' else args.depth}"]
     if variant == "eagle3":
         out += ["train.loss.w_feat=0"] + ([f"head.aux_layers=[{','.join(map(str, aux))}]"] if aux else [])

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import command, machine  # noqa: E402
+from timing import PLAIN_HEAD, command, machine  # noqa: E402
 
 DEPTH = 5
 CANDIDATES = {
@@ -48,7 +48,7 @@ def probe(name: str, args) -> dict:
     if done.is_file() and json.loads(done.read_text()).get("args") == key:
         return json.loads(done.read_text())
     link_base(run_dir, args.base)
-    cfg = compose("smollm2-135m", [f"run_dir={run_dir}", "head.variant=eagle3", "train.loss.w_feat=0",
+    cfg = compose("smollm2-135m", [f"run_dir={run_dir}", *PLAIN_HEAD, "head.variant=eagle3", "train.loss.w_feat=0",
                                    f"store.layers={args.store_layers}", f"train.depth={args.depth}",
                                    f"train.steps={args.steps}", f"train.micro_batch={args.micro_batch}",
                                    f"train.warmup_steps={max(1, args.steps // 10)}", f"train.seed={args.seed}",

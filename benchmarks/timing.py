@@ -34,3 +34,11 @@ def command(script: str, args) -> str:
     return f"benchmarks/{script} " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items() if v is not None)
+
+
+# The `smollm2-135m` recipe trains an eagle3 head with its own start and loss options (since 2026-12-04); the
+# benchmarks that compare head variants, probe eagle3 or match the peers' settings start from the plain head
+# instead: these put every head and loss option that recipe sets back to the schema's default (harmless on recipes
+# that do not set them). An eagle3 run adds `train.loss.w_feat=0` after them.
+PLAIN_HEAD = ["head.init_fc=-1", "head.init_layer=-1", "head.norm_output=false", "train.loss.accept_weight=0",
+              "train.loss.w_feat=0.1"]

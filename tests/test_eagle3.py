@@ -105,15 +105,20 @@ def test_settings_it_refuses(tiny_dir):
     config = AutoConfig.from_pretrained(tiny_dir / "target")
     with pytest.raises(ValueError, match="eagle3 trains its own lm_head over a draft vocabulary: set head.draft_vocab"):
         HeadConfig(variant="eagle3")
-    with pytest.raises(ValueError, match=r"head.aux_layers=\[1, 2\] is for head.variant=eagle3"):
+    with pytest.raises(ValueError, match=r"head.aux_layers=\[1, 2\]: for head.variant=eagle3 only"):
         HeadConfig(aux_layers=[1, 2])
     with pytest.raises(ValueError, match=r"the default \(2, L//2, L-3\) = \[2, 2, 1\]: expected ascending, distinct "
                                          r"layer indices in 0..3 for a target of 4 layers; set head.aux_layers"):
         DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64))
     with pytest.raises(ValueError, match=r"head.aux_layers=\[1, 4\]"):
         DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=[1, 4]))
-    with pytest.raises(ValueError, match=r"head.norm_before_fc=true is for head.variant=eagle3 \(this head is mtp\)"):
+    with pytest.raises(ValueError, match=r"head.norm_before_fc=true: for head.variant=eagle3 only \(this head is mtp\); "
+                                         r"add head.norm_before_fc=false$"):
         HeadConfig(norm_before_fc=True)
+    with pytest.raises(ValueError, match=r"^head.norm_output=true, head.aux_layers=\[1, 2, 3\], head.init_fc=2: for "
+                                         r"head.variant=eagle3 only \(this head is eagle1\); add head.norm_output=false "
+                                         r"head.aux_layers=\[\] head.init_fc=-1$"):  # all of them at once
+        HeadConfig(variant="eagle1", norm_output=True, aux_layers=[1, 2, 3], init_fc=2)
 
 
 def test_norm_before_fc_makes_the_fused_input_scale_free(tiny_dir):

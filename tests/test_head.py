@@ -269,7 +269,7 @@ def test_init_fc_passes_one_aux_layer_through(saved_target):
         build_head(str(single), HeadConfig(init_fc=2, **base), "cpu", seed=0)
     with pytest.raises(ValueError, match="head.init_fc=-2"):
         HeadConfig(init_fc=-2, **base)
-    with pytest.raises(ValueError, match="head.init_fc=0 is for head.variant=eagle3"):
+    with pytest.raises(ValueError, match="head.init_fc=0: for head.variant=eagle3 only"):
         HeadConfig(variant="mtp", init_fc=0)
 
 

@@ -101,3 +101,35 @@ def test_online_training_counts_the_target_it_holds():
     assert est.target == target and est.total > offline.total + target
     assert "target (online)" in est.format() and "target (online)" not in offline.format()
     assert est.total < 0.85 * H100_80GB
+
+
+def test_smollm2_recipe_trains_an_eagle3_head_that_starts_from_its_target():
+    """`smollm2-135m` trains eagle3 (benchmarks/RESULTS.md, "which head `smollm2-135m` trains"): fc starts as the
+    identity on one of the layers it fuses and the layer as the target's next one, on the distribution alone. The
+    fixture is the config.json data_prep/fetch_smollm2.py writes. The benchmarks' reset (`PLAIN_HEAD`) makes the
+    same recipe train the other variants."""
+    import sys
+
+    from mtp_train.model.head import aux_layer_ids, target_layer_keys
+
+    fixture = FIXTURES / "smollm2-135m"
+    cfg = compose("smollm2-135m", [f"target.path={fixture}", "run_dir=runs/x"])
+    config = load_target_config(fixture)
+    assert cfg.head.variant == "eagle3" and cfg.train.loss.w_feat == 0 and cfg.train.depth == 3
+    aux = aux_layer_ids(config, cfg.head)
+    assert aux == [2, 15, 27] and cfg.head.init_fc == aux[-1] and cfg.head.init_layer == aux[-1] + 1
+    head = meta_head(config, cfg.head)
+    head.init_fc_identity(cfg.head.init_fc)  # refuses a layer it does not fuse
+    keys = target_layer_keys(head, cfg.head.init_layer, config.num_hidden_layers)
+    assert keys["midlayer.self_attn.q_proj.weight"] == "model.layers.28.self_attn.q_proj.weight"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from timing import PLAIN_HEAD
+
+    for variant in ("mtp", "eagle1"):
+        plain = compose("smollm2-135m", [f"target.path={fixture}", "run_dir=runs/x", *PLAIN_HEAD,
+                                         f"head.variant={variant}"])
+        assert plain.head.init_fc == plain.head.init_layer == -1 and not plain.head.norm_output
+        assert plain.train.loss.accept_weight == 0 and plain.train.loss.w_feat > 0
+    with pytest.raises(ValueError, match=r"head.norm_output=true, head.init_fc=27: for head.variant=eagle3 only \(this "
+                                         r"head is mtp\); add head.norm_output=false head.init_fc=-1"):
+        compose("smollm2-135m", [f"target.path={fixture}", "run_dir=runs/x", "head.variant=mtp"])

@@ -4,7 +4,7 @@ judged by vLLM on the recipe's held-out prompts; and each trainer's tokens/s at 
     python benchmarks/peers/side_by_side.py --base runs/smol-e3sd --steps 150 --micro-batch 8 --depth 3 \\
         [--lr 2e-3] [--warmup 20] [--ks 3 5] [--prompts 8] [--new-tokens 64] \\
         [--variants norms=head.norm_before_residual=true,head.norm_before_fc=true] [--peer-norms] \\
-        [--judge mtp=eagle:runs/smollm2-135m/export/vllm-mtp] [--reuse] [--tag T] [--no-engine]
+        [--judge mtp=eagle:runs/smol-mtp/export/vllm-mtp] [--reuse] [--tag T] [--no-engine]
 
 `--base`: a prepared and precomputed run of `--recipe` (default smollm2-135m) with an eagle3 head whose store also
 holds layer L (the last layer's output before the final norm: `store.layers=[30]` for SmolLM2). Steps:
@@ -49,7 +49,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from timing import command, machine  # noqa: E402
+from timing import PLAIN_HEAD, command, machine  # noqa: E402
 
 SETTINGS_NOT_MATCHED = [
     "speculators packs samples into rows of --total-seq-len tokens (no batch size): set to micro_batch x the mean "
@@ -77,7 +77,8 @@ def target_layers(recipe: str, base: Path) -> int:
 
 def common_overrides(layers: int, extra: list[str] = ()) -> list[str]:
     """Our eagle3 run on the base store (which also holds layer `layers`, the pre-norm final state)."""
-    return ["head.variant=eagle3", f"store.layers=[{layers}]", "train.loss.w_feat=0", "target.device=cpu", *extra]
+    return [*PLAIN_HEAD, "head.variant=eagle3", f"store.layers=[{layers}]", "train.loss.w_feat=0", "target.device=cpu",
+            *extra]
 
 
 def matched_overrides(common: list[str], args) -> list[str]:

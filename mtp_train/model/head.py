@@ -108,20 +108,19 @@ class HeadConfig:
         if self.variant == "eagle3" and not self.draft_vocab:
             raise ValueError("head.variant=eagle3 trains its own lm_head over a draft vocabulary: set "
                              "head.draft_vocab=N (EAGLE-3 uses 32000 for Llama 3's 128k tokens)")
-        for name in ("norm_before_residual", "norm_before_fc", "norm_output"):
-            if getattr(self, name) and self.variant != "eagle3":
-                raise ValueError(f"head.{name}=true is for head.variant=eagle3 (this head is {self.variant})")
-        if self.aux_layers and self.variant != "eagle3":
-            raise ValueError(f"head.aux_layers={list(self.aux_layers)} is for head.variant=eagle3 (this head is "
-                             f"{self.variant}); leave it empty")
+        if self.variant != "eagle3":  # every eagle3-only setting in one message, with the overrides that reset them
+            given = [(f"head.{n}=true", f"head.{n}=false") for n in ("norm_before_residual", "norm_before_fc",
+                                                                      "norm_output") if getattr(self, n)]
+            given += [(f"head.aux_layers={list(self.aux_layers)}", "head.aux_layers=[]")] if self.aux_layers else []
+            given += [(f"head.init_fc={self.init_fc}", "head.init_fc=-1")] if self.init_fc != -1 else []
+            if given:
+                raise ValueError(f"{', '.join(g for g, _ in given)}: for head.variant=eagle3 only (this head is "
+                                 f"{self.variant}); add {' '.join(r for _, r in given)}")
         if self.init_layer < -1:
             raise ValueError(f"head.init_layer={self.init_layer}: expected -1 (random start) or a target layer "
                              "index 0..L-1")
         if self.init_fc < -1:
             raise ValueError(f"head.init_fc={self.init_fc}: expected -1 (random start) or one of the aux layers")
-        if self.init_fc != -1 and self.variant != "eagle3":
-            raise ValueError(f"head.init_fc={self.init_fc} is for head.variant=eagle3 (this head is {self.variant}); "
-                             "leave it at -1")
         if self.init_token_half not in ("random", "zero"):
             raise ValueError(f"head.init_token_half={self.init_token_half!r}: expected random or zero")
         if self.init_token_half == "zero" and (self.variant != "eagle3" or self.init_layer < 0):
