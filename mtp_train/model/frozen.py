@@ -64,6 +64,7 @@ def read_tensors(path: str | Path, keys: list[str]) -> dict[str, torch.Tensor]:
 FEW_ROWS = 16  # up to this many rows a CPU projection may stream its weight; past it (a prefill) BLAS's GEMM is right
 PROJECTION_ENV = "MTP_TRAIN_PROJECTION"  # probe (default) | stream | gemm: pins the form of every few-row projection
 FORMS = ("stream", "gemm")
+ONE_ROW_FORMS = ("stream", "pair")  # one row: a matrix-vector product, or the row twice as a 2-column product
 PROBE_BYTES = 64 << 20  # the probe times this many bytes of weights per form, more than a core's L2 holds
 _chosen: dict[tuple[int, int, int, torch.dtype], str] = {}  # (out, in, rows, dtype) -> form, once per process
 
@@ -76,38 +77,46 @@ def _gemm(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(flat, weight)
 
 
+def _pair(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # one row as two columns: some BLAS builds run a 2-column product at twice the speed of their matrix-vector
+    # one (the AMD EPYC machine: SmolLM2's lm_head 4.1 against 10.5 ms); the copy's column is dropped
+    return (weight @ torch.cat([flat, flat]).T)[:, :1].T
+
+
+_FNS = {"stream": _stream, "gemm": _gemm, "pair": _pair}
+
+
 def probe_form(out_features: int, in_features: int, rows: int, dtype: torch.dtype, repeats: int = 5,
                timer=time.perf_counter) -> tuple[str, dict[str, float]]:
     """Which form computes `rows` rows of an [out, in] projection faster on this CPU: `(form, {form: fastest
-    seconds per weight})`. Both forms read copies of the weight that together exceed the L2 cache (decoding
+    seconds per weight})`, of `FORMS` (one row: of `ONE_ROW_FORMS`). Both forms read copies of the weight that together exceed the L2 cache (decoding
     streams every layer's weights from memory, not from cache), in turns, `repeats` times; the fastest turn of
     each counts, as another process on the machine can only slow a turn down."""
     elem = torch.empty((), dtype=dtype).element_size()
     copies = max(1, min(64, PROBE_BYTES // (out_features * in_features * elem)))
     weights = [torch.full((out_features, in_features), 0.01, dtype=dtype) for _ in range(copies)]
     x = torch.full((rows, in_features), 0.01, dtype=dtype)
-    times: dict[str, list[float]] = {f: [] for f in FORMS}
+    forms = ONE_ROW_FORMS if rows == 1 else FORMS
+    times: dict[str, list[float]] = {f: [] for f in forms}
     for _ in range(repeats):
-        for form, fn in (("stream", _stream), ("gemm", _gemm)):
+        for form in forms:
             start = timer()
             for w in weights:
-                fn(x, w)
+                _FNS[form](x, w)
             times[form].append((timer() - start) / copies)
     fastest = {f: min(t) for f, t in times.items()}
-    return min(FORMS, key=lambda f: (fastest[f], f != "stream")), fastest
+    return min(forms, key=lambda f: (fastest[f], f != "stream")), fastest
 
 
 def projection_form(out_features: int, in_features: int, rows: int, dtype: torch.dtype) -> str:
-    """The form `project` uses on a CPU for `rows` rows: one row is a matrix-vector product (`stream`) always,
-    so plain decoding keeps one summation order; 2 to FEW_ROWS rows take what `probe_form` measured faster on
-    this machine (once per shape, row count and dtype in a process), unless $MTP_TRAIN_PROJECTION pins it."""
+    """The form `project` uses on a CPU for `rows` rows: what `probe_form` measured faster on this machine (once
+    per shape, row count and dtype in a process; one row: `stream` or `pair`, 2 to FEW_ROWS rows: `stream` or
+    `gemm`), unless $MTP_TRAIN_PROJECTION pins it (one row then streams: a matrix-vector product)."""
     pinned = os.environ.get(PROJECTION_ENV, "probe")
     if pinned not in (*FORMS, "probe"):
         raise ValueError(f"${PROJECTION_ENV}={pinned!r}: must be one of probe, {', '.join(FORMS)}")
-    if rows == 1:
-        return "stream"
     if pinned != "probe":
-        return pinned
+        return "stream" if rows == 1 else pinned
     key = (out_features, in_features, rows, dtype)
     if key not in _chosen:
         _chosen[key] = probe_form(*key)[0]
@@ -121,13 +130,14 @@ def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     `(weight @ h.T).T` streams the weight once like a matrix-vector product, while BLAS's `h @ weight.T` may
     first pack the whole weight. Which wins depends on the processor: on the AMD EPYC machine packing made 2-16
     rows 2-3.5x one row at SmolLM2's lm_head (benchmarks/lm_head_rows.py), on the Intel Xeon one the streamed
-    form made 2 rows 2.6-3x one row and BLAS's 1.03x (benchmarks/RESULTS.md `step_cost`). GPUs and longer
-    inputs get the plain form."""
+    form made 2 rows 2.6-3x one row and BLAS's 1.03x (benchmarks/RESULTS.md `step_cost`). One row, plain
+    decoding's, is a matrix-vector product or (`pair`) the row twice as a 2-column product, which on the
+    2026-12-04 AMD EPYC machine made the target-alone step 1.5x faster. GPUs and longer inputs get the plain form."""
     flat = h.reshape(-1, h.shape[-1])
     if h.device.type != "cpu" or flat.shape[0] > FEW_ROWS:
         return torch.nn.functional.linear(h, weight, bias)
     form = projection_form(weight.shape[0], weight.shape[1], flat.shape[0], weight.dtype)
-    out = (_stream if form == "stream" else _gemm)(flat, weight).reshape(*h.shape[:-1], weight.shape[0])
+    out = _FNS[form](flat, weight).reshape(*h.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
