@@ -89,9 +89,10 @@ _FNS = {"stream": _stream, "gemm": _gemm, "pair": _pair}
 def probe_form(out_features: int, in_features: int, rows: int, dtype: torch.dtype, repeats: int = 5,
                timer=time.perf_counter) -> tuple[str, dict[str, float]]:
     """Which form computes `rows` rows of an [out, in] projection faster on this CPU: `(form, {form: fastest
-    seconds per weight})`, of `FORMS` (one row: of `ONE_ROW_FORMS`). Both forms read copies of the weight that together exceed the L2 cache (decoding
-    streams every layer's weights from memory, not from cache), in turns, `repeats` times; the fastest turn of
-    each counts, as another process on the machine can only slow a turn down."""
+    seconds per weight})`, of `FORMS` (one row: of `ONE_ROW_FORMS`). Both forms read copies of the weight that
+    together exceed the L2 cache (decoding streams every layer's weights from memory, not from cache), in turns,
+    `repeats` times; the fastest turn of each counts, as another process on the machine can only slow a turn
+    down."""
     elem = torch.empty((), dtype=dtype).element_size()
     copies = max(1, min(64, PROBE_BYTES // (out_features * in_features * elem)))
     weights = [torch.full((out_features, in_features), 0.01, dtype=dtype) for _ in range(copies)]
@@ -132,7 +133,7 @@ def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     rows 2-3.5x one row at SmolLM2's lm_head (benchmarks/lm_head_rows.py), on the Intel Xeon one the streamed
     form made 2 rows 2.6-3x one row and BLAS's 1.03x (benchmarks/RESULTS.md `step_cost`). One row, plain
     decoding's, is a matrix-vector product or (`pair`) the row twice as a 2-column product, which on the
-    2026-12-04 AMD EPYC machine made the target-alone step 1.5x faster. GPUs and longer inputs get the plain form."""
+    2026-12-04 AMD EPYC machine made the target-alone step 1.8x faster. GPUs and longer inputs get the plain form."""
     flat = h.reshape(-1, h.shape[-1])
     if h.device.type != "cpu" or flat.shape[0] > FEW_ROWS:
         return torch.nn.functional.linear(h, weight, bias)
