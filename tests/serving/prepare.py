@@ -46,9 +46,10 @@ REGEN = ["data.sources.0.limit=2", "data.sources.1.limit=48", "data.sources.2.li
 NEW_TOKENS = 48
 SAMPLED_AT = 1.0  # the vllm-mtp cases also run sampled, at this temperature, in both engines
 PROMPTS = 8
-SMOL = ["head.init_fc=-1", "head.init_layer=-1", "head.norm_output=false", "train.loss.accept_weight=0",
-        "train.loss.w_feat=0.1",  # the recipe's eagle3 options back to the defaults: these cases train mtp and eagle1
-        "head.draft_vocab=0", "data.regenerate=false", "data.sources.0.limit=64",
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from timing import PLAIN_HEAD  # noqa: E402  (the recipe's eagle3 options reset: these cases train mtp and eagle1)
+
+SMOL = [*PLAIN_HEAD, "head.draft_vocab=0", "data.regenerate=false", "data.sources.0.limit=64",
         "data.sources.1.limit=4", "data.sources.2.limit=8", "train.depth=1", "train.warmup_steps=5"]
 
 # vLLM's reference MLA backend for the DeepSeek target on every x86 CPU: where the CPU has AMX, vLLM would pick
