@@ -8,6 +8,8 @@ import platform
 import statistics
 import time
 
+from mtp_train.config import default_overrides
+
 
 def median_seconds(fn, repeats: int) -> float:
     """Median wall time of `fn()` over `repeats` calls, after one warm-up call."""
@@ -40,5 +42,5 @@ def command(script: str, args) -> str:
 # benchmarks that compare head variants, probe eagle3 or match the peers' settings start from the plain head
 # instead: these put every head and loss option that recipe sets back to the schema's default (harmless on recipes
 # that do not set them). An eagle3 run adds `train.loss.w_feat=0` after them.
-PLAIN_HEAD = ["head.init_fc=-1", "head.init_layer=-1", "head.norm_output=false", "train.loss.accept_weight=0",
-              "train.loss.w_feat=0.1"]
+PLAIN_HEAD = default_overrides("head.init_fc", "head.init_layer", "head.norm_output", "train.loss.accept_weight",
+                               "train.loss.w_feat")

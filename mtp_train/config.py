@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -61,6 +62,20 @@ class RunConfig:
 
 class ConfigError(ValueError):
     """A recipe or override that cannot make a valid run config; the message says what and where."""
+
+
+def default_overrides(*keys: str) -> list[str]:
+    """`key=value` overrides that put each dotted key (`head.init_fc`, `train.loss.w_feat`) back to the schema's
+    default, whatever a recipe set it to."""
+    schema = OmegaConf.structured(RunConfig)
+    out = []
+    for key in keys:
+        if OmegaConf.select(schema, key, default=MISSING) is MISSING:
+            raise ConfigError(f"{key}: not a key of the run config")
+        value = OmegaConf.select(schema, key)
+        value = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+        out.append(f"{key}={json.dumps(value, separators=(',', ':'))}")
+    return out
 
 
 def _asset(name: str) -> str:

@@ -72,6 +72,47 @@ def test_unrolled_equals_stepwise_drafter(family, options):
     assert checked == (7 + 6 + 5) + (4 + 3 + 2)
 
 
+def test_detach_chain_cuts_only_the_chained_state():
+    """`train.detach_chain`: the forward is unchanged; the depth-1 loss's gradients are unchanged; a depth-2 loss
+    still trains every weight (through the state it is handed and the cache) but no longer reaches the step that
+    made that state through it: its gradient on depth 1's output is exactly zero through the chain."""
+    torch.manual_seed(2)
+    head = DraftHead(CONFIGS["llama"], HeadConfig(variant="eagle3", draft_vocab=50, aux_layers=[0, 1]))
+    embed = torch.nn.Embedding(101, H).requires_grad_(False)
+    aux, ids, lengths = torch.randn(2, 8, 2 * H), torch.randint(0, 101, (2, 8)), torch.tensor([8, 5])
+
+    def grads(detach: bool, depth_index: int) -> tuple[list[torch.Tensor], dict]:
+        head.zero_grad()
+        outs = unrolled(head, embed, aux, ids, lengths, 2, detach_chain=detach)
+        outs[depth_index].square().sum().backward()
+        return [o.detach() for o in outs], {n: p.grad.clone() for n, p in head.named_parameters()
+                                          if p.grad is not None}
+
+    outs_full, d1_full = grads(False, 0)
+    outs_cut, d1_cut = grads(True, 0)
+    for a, b in zip(outs_full, outs_cut):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert d1_full.keys() == d1_cut.keys()
+    for n in d1_full:
+        torch.testing.assert_close(d1_full[n], d1_cut[n], rtol=0, atol=0)
+    _, d2_full = grads(False, 1)
+    _, d2_cut = grads(True, 1)
+    assert d2_cut.keys() == d2_full.keys() and all(g.abs().sum() > 0 for g in d2_cut.values())
+    assert any(not torch.allclose(d2_full[n], d2_cut[n]) for n in d2_full)
+    # the state handed from step 0 to step 1, captured: under detach_chain nothing flows back through it
+    handed = []
+    hook = head.register_forward_hook(lambda m, args, out: handed.append(out) or out.retain_grad())
+    try:
+        for detach, expect_zero in ((False, False), (True, True)):
+            handed.clear()
+            head.zero_grad()
+            outs = unrolled(head, embed, aux, ids, lengths, 2, detach_chain=detach)
+            outs[1].square().sum().backward()
+            assert (handed[0].grad is None or bool((handed[0].grad == 0).all())) == expect_zero
+    finally:
+        hook.remove()
+
+
 def direct(x, y, W, Wd, ids, weight, temperature):
     t = y @ W.T
     inside = torch.isin(t.argmax(-1), ids)
@@ -105,7 +146,7 @@ def test_settings_it_refuses(tiny_dir):
     config = AutoConfig.from_pretrained(tiny_dir / "target")
     with pytest.raises(ValueError, match="eagle3 trains its own lm_head over a draft vocabulary: set head.draft_vocab"):
         HeadConfig(variant="eagle3")
-    with pytest.raises(ValueError, match=r"head.aux_layers=\[1, 2\]: for head.variant=eagle3 only"):
+    with pytest.raises(ValueError, match=r"head.aux_layers=\[1,2\]: for head.variant=eagle3 only"):
         HeadConfig(aux_layers=[1, 2])
     with pytest.raises(ValueError, match=r"the default \(2, L//2, L-3\) = \[2, 2, 1\]: expected ascending, distinct "
                                          r"layer indices in 0..3 for a target of 4 layers; set head.aux_layers"):
@@ -115,7 +156,7 @@ def test_settings_it_refuses(tiny_dir):
     with pytest.raises(ValueError, match=r"head.norm_before_fc=true: for head.variant=eagle3 only \(this head is mtp\); "
                                          r"add head.norm_before_fc=false$"):
         HeadConfig(norm_before_fc=True)
-    with pytest.raises(ValueError, match=r"^head.norm_output=true, head.aux_layers=\[1, 2, 3\], head.init_fc=2: for "
+    with pytest.raises(ValueError, match=r"^head.norm_output=true, head.aux_layers=\[1,2,3\], head.init_fc=2: for "
                                          r"head.variant=eagle3 only \(this head is eagle1\); add head.norm_output=false "
                                          r"head.aux_layers=\[\] head.init_fc=-1$"):  # all of them at once
         HeadConfig(variant="eagle1", norm_output=True, aux_layers=[1, 2, 3], init_fc=2)

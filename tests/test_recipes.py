@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtp_train.config import RECIPES_DIR, compose
+from mtp_train.config import RECIPES_DIR, ConfigError, compose, default_overrides
 from mtp_train.model.target import TargetArch
 from mtp_train.train.distributed import resolve_strategy
 from mtp_train.train.memory import GIB, H100_80GB, estimate_memory, load_target_config, meta_head
@@ -130,6 +130,13 @@ def test_smollm2_recipe_trains_an_eagle3_head_that_starts_from_its_target():
                                          f"head.variant={variant}"])
         assert plain.head.init_fc == plain.head.init_layer == -1 and not plain.head.norm_output
         assert plain.train.loss.accept_weight == 0 and plain.train.loss.w_feat > 0
+    # default_overrides reads the schema: a list comes back as one shell word, a key it lacks is refused by name
+    cfg = compose("smollm2-135m", [f"target.path={fixture}", "run_dir=runs/x", "train.betas=[0.8,0.9]",
+                                   *default_overrides("train.betas", "head.init_fc")])
+    assert cfg.train.betas == [0.9, 0.95] and cfg.head.init_fc == -1
+    assert default_overrides("head.aux_layers") == ["head.aux_layers=[]"]
+    with pytest.raises(ConfigError, match="head.fc_init: not a key of the run config"):
+        default_overrides("head.fc_init")
     with pytest.raises(ValueError, match=r"head.norm_output=true, head.init_fc=27: for head.variant=eagle3 only \(this "
                                          r"head is mtp\); add head.norm_output=false head.init_fc=-1"):
         compose("smollm2-135m", [f"target.path={fixture}", "run_dir=runs/x", "head.variant=mtp"])

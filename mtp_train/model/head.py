@@ -48,8 +48,9 @@ step-by-step drafter uses (`tests/test_head.py` checks the two agree).
 from __future__ import annotations
 
 import importlib
+import json
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 from torch import nn
@@ -70,6 +71,15 @@ FAMILIES = {
     "qwen3": ("qwen3", "Qwen3DecoderLayer", "Qwen3RotaryEmbedding", "Qwen3RMSNorm"),
     "deepseek_v2": ("deepseek_v2", "DeepseekV2DecoderLayer", "DeepseekV2RotaryEmbedding", "DeepseekV2RMSNorm"),
 }
+
+
+def _literal(value) -> str:
+    """A config value as an override writes it (`true`, `-1`, `[2,15]`)."""
+    return json.dumps(value, separators=(",", ":"))
+
+
+# the HeadConfig fields only an eagle3 head reads; another variant refuses them set away from their defaults
+EAGLE3_ONLY = ("norm_before_residual", "norm_before_fc", "norm_output", "aux_layers", "init_fc")
 
 
 @dataclass
@@ -109,10 +119,9 @@ class HeadConfig:
             raise ValueError("head.variant=eagle3 trains its own lm_head over a draft vocabulary: set "
                              "head.draft_vocab=N (EAGLE-3 uses 32000 for Llama 3's 128k tokens)")
         if self.variant != "eagle3":  # every eagle3-only setting in one message, with the overrides that reset them
-            given = [(f"head.{n}=true", f"head.{n}=false") for n in ("norm_before_residual", "norm_before_fc",
-                                                                      "norm_output") if getattr(self, n)]
-            given += [(f"head.aux_layers={list(self.aux_layers)}", "head.aux_layers=[]")] if self.aux_layers else []
-            given += [(f"head.init_fc={self.init_fc}", "head.init_fc=-1")] if self.init_fc != -1 else []
+            default = {f.name: f.default_factory() if f.default is MISSING else f.default for f in fields(HeadConfig)}
+            given = [(f"head.{n}={_literal(getattr(self, n))}", f"head.{n}={_literal(default[n])}")
+                     for n in EAGLE3_ONLY if getattr(self, n) != default[n]]
             if given:
                 raise ValueError(f"{', '.join(g for g, _ in given)}: for head.variant=eagle3 only (this head is "
                                  f"{self.variant}); add {' '.join(r for _, r in given)}")
@@ -512,13 +521,15 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 
 def unrolled(head: DraftHead, embed, hidden: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
-             depth: int) -> list[torch.Tensor]:
+             depth: int, detach_chain: bool = False) -> list[torch.Tensor]:
     """The training forward for all anchors at once, `depth` steps deep.
 
     hidden [B, T, H] are the target's h (eagle3: its aux layers' states [B, T, k·H], `fuse`d first), input_ids
     [B, T], lengths [B] real tokens per row (right padding). `embed` maps ids to the frozen embeddings. Returns
     [ĥ_0, ..., ĥ_{depth-1}], each [B, T, H] (what the lm_head reads: `readout` of each step's output), where
     ĥ_j[:, i] is the head's estimate of h_{i+1+j} for the chain anchored at i (valid where i+1+j < length).
+    With `detach_chain` the state step j hands to step j+1 carries no gradient: a later depth's loss trains the
+    weights on the state it is given, not the earlier steps that made it (the cache's keys and values still do).
     """
     B, T, _ = hidden.shape
     pos = torch.arange(T, device=hidden.device)[None].expand(B, T)
@@ -528,6 +539,8 @@ def unrolled(head: DraftHead, embed, hidden: torch.Tensor, input_ids: torch.Tens
     for j in range(depth):
         tokens = shift_left(input_ids, 1 + j)  # x_{i+1+j}
         mask = chain_masks(valid, j, hidden.dtype)
+        if j and detach_chain:
+            h = h.detach()
         h = head(embed(tokens), h, pos + 1 + j, mask, cache)
         outputs.append(head.readout(h))
     return outputs

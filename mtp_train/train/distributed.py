@@ -198,8 +198,8 @@ class Unrolled(nn.Module):
         super().__init__()
         self.head = head
 
-    def forward(self, embed, hidden, input_ids, lengths, depth: int) -> list[torch.Tensor]:
-        return unrolled(self.head, embed, hidden, input_ids, lengths, depth)
+    def forward(self, embed, hidden, input_ids, lengths, depth: int, detach_chain: bool = False) -> list[torch.Tensor]:
+        return unrolled(self.head, embed, hidden, input_ids, lengths, depth, detach_chain)
 
 
 @dataclass(frozen=True)
@@ -232,8 +232,8 @@ class Engine:
     def rank(self) -> int:
         return torch.distributed.get_rank() if distributed() else 0
 
-    def forward(self, embed, hidden, input_ids, lengths, depth: int) -> list[torch.Tensor]:
-        return self.model(embed, hidden, input_ids, lengths, depth)
+    def forward(self, embed, hidden, input_ids, lengths, depth: int, detach_chain: bool = False) -> list[torch.Tensor]:
+        return self.model(embed, hidden, input_ids, lengths, depth, detach_chain)
 
     def forward_context(self):
         """Entered around each micro-batch's forward and backward."""

@@ -53,6 +53,7 @@ class TrainConfig:
     seed: int | None = None  # head init and data order; None = the run's seed (which also shapes prepare)
     micro_batch: int = 8  # samples per rank per forward
     grad_accum: int = 1
+    detach_chain: bool = False  # no gradient through the state a step hands the next (model/head.py `unrolled`)
     steps: int = 0  # optimizer steps; 0 = `epochs` passes over the data
     epochs: float = 1.0
     lr: float = 3e-4
@@ -523,7 +524,7 @@ class Trainer:
             with self.engine.forward_context():
                 with self.autocast():
                     outs = self.engine.forward(self.frozen.embed, head_inputs(batch), batch["input_ids"],
-                                               batch["lengths"], tc.depth)
+                                               batch["lengths"], tc.depth, tc.detach_chain)
                 loss, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
                                     self.frozen.lm_head_weight, tc.loss, norm=norm, draft=draft,
                                     stats=self.target_stats["train"], index=batch["index"])
