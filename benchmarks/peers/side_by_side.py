@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,6 +80,11 @@ def common_overrides(layers: int, extra: list[str] = ()) -> list[str]:
     """Our eagle3 run on the base store (which also holds layer `layers`, the pre-norm final state)."""
     return [*PLAIN_HEAD, "head.variant=eagle3", f"store.layers=[{layers}]", "train.loss.w_feat=0", "target.device=cpu",
             *extra]
+
+
+def split_overrides(text: str) -> list[str]:
+    """`a=1,b=[0.9,0.95]` -> [`a=1`, `b=[0.9,0.95]`]: the commas between overrides, not those inside a list."""
+    return [o for o in re.split(r",(?![^\[]*\])", text) if o]
 
 
 def matched_overrides(common: list[str], args) -> list[str]:
@@ -319,7 +325,7 @@ def main() -> None:
             heads["ours"] = ours(args, matched, "ours", args.work)
         for variant in args.variants:
             name, _, overrides = variant.partition("=")
-            heads[f"ours-{name}"] = ours(args, [*matched, *overrides.split(",")], f"ours-{name}", args.work)
+            heads[f"ours-{name}"] = ours(args, [*matched, *split_overrides(overrides)], f"ours-{name}", args.work)
     if "speculators" in args.only:
         if not args.no_base:
             heads["speculators"] = speculators(args, peers, args.work)

@@ -86,7 +86,7 @@ def main() -> None:
             if n in peers_run:
                 rounds[n].append(peers_run[n](work)["speed"])
             else:
-                extra = variants[n[5:]].split(",") if n != "ours" else []
+                extra = sbs.split_overrides(variants[n[5:]]) if n != "ours" else []
                 rounds[n].append(sbs.ours(args, [*matched, *extra], n, work, timing_only=True)["speed"])
         print(f"round {r}: " + ", ".join(f"{n} {v[-1]['tokens_per_s']:.0f} tok/s" for n, v in rounds.items()),
               flush=True)
