@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from mtp_train.data.prepare import DataConfig
 from mtp_train.export import ExportConfig
 from mtp_train.generate import GenerateConfig
 from mtp_train.info import InfoConfig
-from mtp_train.model.head import HeadConfig
+from mtp_train.model.head import HeadConfig, override_literal
 from mtp_train.model.target import TargetConfig
 from mtp_train.store.precompute import StoreConfig
 from mtp_train.train.trainer import TrainConfig
@@ -74,7 +73,7 @@ def default_overrides(*keys: str) -> list[str]:
             raise ConfigError(f"{key}: not a key of the run config")
         value = OmegaConf.select(schema, key)
         value = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
-        out.append(f"{key}={json.dumps(value, separators=(',', ':'))}")
+        out.append(f"{key}={override_literal(value)}")
     return out
 
 

@@ -48,8 +48,8 @@ step-by-step drafter uses (`tests/test_head.py` checks the two agree).
 from __future__ import annotations
 
 import importlib
-import json
 import inspect
+import json
 from dataclasses import MISSING, dataclass, field, fields
 
 import torch
@@ -73,7 +73,7 @@ FAMILIES = {
 }
 
 
-def _literal(value) -> str:
+def override_literal(value) -> str:
     """A config value as an override writes it (`true`, `-1`, `[2,15]`)."""
     return json.dumps(value, separators=(",", ":"))
 
@@ -120,7 +120,7 @@ class HeadConfig:
                              "head.draft_vocab=N (EAGLE-3 uses 32000 for Llama 3's 128k tokens)")
         if self.variant != "eagle3":  # every eagle3-only setting in one message, with the overrides that reset them
             default = {f.name: f.default_factory() if f.default is MISSING else f.default for f in fields(HeadConfig)}
-            given = [(f"head.{n}={_literal(getattr(self, n))}", f"head.{n}={_literal(default[n])}")
+            given = [(f"head.{n}={override_literal(getattr(self, n))}", f"head.{n}={override_literal(default[n])}")
                      for n in EAGLE3_ONLY if getattr(self, n) != default[n]]
             if given:
                 raise ValueError(f"{', '.join(g for g, _ in given)}: for head.variant=eagle3 only (this head is "
