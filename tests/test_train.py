@@ -10,7 +10,7 @@ from mtp_train.config import compose
 from mtp_train.model.frozen import FrozenTarget
 from mtp_train.store.format import identity_for, write_split
 from mtp_train.train import checkpoint as ckpt
-from mtp_train.train.trainer import Trainer, TrainingDiverged
+from mtp_train.train.trainer import Trainer, TrainingDiverged, feature_noise
 from windows import code_windows, make_store
 
 T = 48
@@ -94,13 +94,15 @@ def killed_after(cfg, step: int, monkeypatch) -> None:
     monkeypatch.setattr(Trainer, "train_step", real_step)
 
 
-@pytest.mark.parametrize("save_every,position", [(4, (4, 0, 8)), (5, (5, 0, 10))])
-def test_resume_is_exact(tmp_path, samples, tiny_dir, monkeypatch, save_every, position):
+@pytest.mark.parametrize("save_every,position,extra", [(4, (4, 0, 8), ()), (5, (5, 0, 10), ()),
+                                                      (4, (4, 0, 8), ("train.feature_noise=0.3", "train.ema_decay=0.9"))])
+def test_resume_is_exact(tmp_path, samples, tiny_dir, monkeypatch, save_every, position, extra):
     """Killed before step 7 (steps after the checkpoint already logged), resumed from the checkpoint
     mid-epoch or at the epoch's end: the losses of every step and the final weights equal those of an
-    uninterrupted run, bit for bit."""
+    uninterrupted run, bit for bit (with `train.feature_noise` and `train.ema_decay` too: the same noise after the
+    resume, the same average and trained weights)."""
     args = ("train.steps=8", f"train.save_every={save_every}", "train.grad_accum=2", "train.micro_batch=4", "train.depth=2",
-            "train.lr=1e-3")
+            "train.lr=1e-3", *extra)
     clean, broken = tmp_path / "clean", tmp_path / "broken"
     for d in (clean, broken):
         make_store(d, samples, tiny_dir / "target", n_train=40)  # 10 micro-batches: epochs roll over
@@ -115,6 +117,111 @@ def test_resume_is_exact(tmp_path, samples, tiny_dir, monkeypatch, save_every, p
     wa = ckpt.load_head_state(clean / "checkpoints" / "step-000008")
     wb = ckpt.load_head_state(broken / "checkpoints" / "step-000008")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    la = ckpt.load_trainer_state(clean / "checkpoints" / "step-000008").get("live_head")
+    lb = ckpt.load_trainer_state(broken / "checkpoints" / "step-000008").get("live_head")
+    assert (la is None) == (lb is None) == (not extra)
+    assert la is None or all(torch.equal(la[k], lb[k]) for k in la)
+
+
+def test_weight_average_is_what_evaluations_and_checkpoints_hold(run_dir, monkeypatch):
+    """`train.ema_decay=d`: after each step t the average moves to the trained weights by 1 - min(d, (1+t)/(10+t));
+    evaluations measure it, head.safetensors holds it (what validate and export read), trainer_state keeps the
+    trained weights, and the head trains on from the trained weights, not the average."""
+    trainer = Trainer(config(run_dir, "train.steps=4", "train.lr=1e-2", "train.save_every=0", "train.ema_decay=0.3"))
+    after = []
+    real = Trainer.update_average
+
+    def record(self):
+        after.append({n: p.detach().clone() for n, p in self.head.named_parameters()})
+        real(self)
+
+    monkeypatch.setattr(Trainer, "update_average", record)
+    trainer.fit()
+    # recompute from the start: the average begins at the initial weights (the seeded init)
+    fresh = run_dir / "fresh"
+    fresh.mkdir()
+    (fresh / "store").symlink_to(run_dir / "store")
+    start = {n: p.detach().clone() for n, p in Trainer(config(fresh, "train.steps=4")).head.named_parameters()}
+    avg = {n: v.clone() for n, v in start.items()}
+    for t, w in enumerate(after, start=1):
+        d = min(0.3, (1 + t) / (10 + t))  # the cap from step 3
+        for n in avg:
+            avg[n].mul_(d).add_(w[n], alpha=1 - d)
+    assert len(after) == 4
+    assert all(torch.equal(trainer.ema[n], avg[n]) for n in avg)
+    path = ckpt.latest(run_dir / "checkpoints")
+    saved, live = ckpt.load_head_state(path), ckpt.load_trainer_state(path)["live_head"]
+    assert all(torch.equal(saved[n], avg[n]) for n in avg)  # the checkpoint's head is the average
+    trained = dict(trainer.head.named_parameters())
+    assert all(torch.equal(live[n], trained[n].detach()) for n in avg)  # the head went on with its trained weights
+    assert not torch.equal(live["eh_proj.weight"], saved["eh_proj.weight"])
+    assert ckpt.load_meta(path)["ema_decay"] == 0.3
+    # an evaluation measures the average: the same numbers as the head loaded with it by hand, not the trained ones
+    measured = trainer.validate()
+    assert all(torch.equal(p.detach(), live[n]) for n, p in trainer.head.named_parameters())  # put back after
+    trainer.ema = None
+    on_trained = trainer.validate()
+    trainer.head.load_state_dict(saved)
+    assert measured == trainer.validate() and measured != on_trained
+
+
+def test_feature_noise_is_relative_bounded_seeded_and_leaves_the_global_rng_alone():
+    """Each position's state (each of an eagle3 input's k states) gets noise within a x its median |x|: a state
+    of 1s and 300s (a massive activation) gets +-a, one 4 times larger +-4a; the same key draws the same noise."""
+    H = 16
+    state = torch.ones(H)
+    state[3] = 300.0
+    x = torch.stack([state, 4 * state]).repeat(4, 50, 1, 1).flatten(-2)  # [4, 50, 2·H]: two states a position
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    a = feature_noise(x, 0.25, H, seed=3, step=5, rank=0, micro=1) - x
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(a, feature_noise(x, 0.25, H, seed=3, step=5, rank=0, micro=1) - x)
+    first, second = a[..., :H], a[..., H:]
+    assert 0.24 < float(first.abs().max()) <= 0.25 + 1e-6 and 0.96 < float(second.abs().max()) <= 1.0 + 1e-5
+    assert abs(float(a.mean())) < 0.02
+    for other in ({"seed": 4}, {"step": 6}, {"rank": 1}, {"micro": 0}):
+        key = {"seed": 3, "step": 5, "rank": 0, "micro": 1, **other}
+        assert not torch.equal(a, feature_noise(x, 0.25, H, **key) - x), other
+
+
+def test_feature_noise_perturbs_the_training_inputs_only(run_dir, monkeypatch):
+    """`train.feature_noise=a`: each training forward reads the store's features plus noise within a x the median
+    |x| of each position's state, other
+    noise on every micro-batch and step; the batch itself (the feature loss's label: this tiny recipe is an `mtp`
+    head, whose input is also its label) stays clean, and evaluation reads clean features."""
+    args = ("train.steps=2", "train.grad_accum=2", "train.micro_batch=4", "train.save_every=0")
+    trainer = Trainer(config(run_dir, *args, "train.feature_noise=0.25"))
+    assert trainer.cfg.head.variant == "mtp"
+    # evaluation reads clean features: the same untrained head (same seed) measures the same without noise
+    assert trainer.validate() == Trainer(config(run_dir, *args)).validate()
+    seen, batches = [], []
+    forward, micro = trainer.engine.forward, trainer.micro_batches
+
+    def spy(embed, hidden, *rest):
+        seen.append(hidden.detach().clone())
+        return forward(embed, hidden, *rest)
+
+    def kept():
+        for b in micro():
+            batches.append((b, b["hidden"].clone()))
+            yield b
+
+    monkeypatch.setattr(trainer.engine, "forward", spy)
+    monkeypatch.setattr(trainer, "micro_batches", kept)
+    trainer.fit()
+    assert len(seen) == len(batches) == 4  # 2 steps x 2 micro-batches; evaluation does not go through it
+    diffs = []
+    for x, (b, clean) in zip(seen, batches):
+        assert torch.equal(b["hidden"], clean)  # the label was not touched
+        diffs.append(x - clean)
+        bound = 0.25 * clean.abs().median(dim=-1, keepdim=True).values
+        real = torch.arange(clean.shape[1])[None] < b["lengths"][:, None]  # padding (zeros) gets none
+        assert torch.equal(diffs[-1][~real], torch.zeros_like(diffs[-1][~real]))
+        ratio = diffs[-1][real] / bound[real]
+        assert float(ratio.abs().max()) <= 1 + 1e-4 and float(ratio.abs().max()) > 0.95
+        assert abs(float(ratio.mean())) < 0.02 and 0.45 < float(ratio.abs().mean()) < 0.55  # uniform: mean |u| 1/2
+    assert not torch.equal(diffs[0][:, :8], diffs[2][:, :8])  # step 1 and step 2 draw other noise
 
 
 def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, samples, tiny_dir, capsys):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -54,6 +54,13 @@ class TrainConfig:
     micro_batch: int = 8  # samples per rank per forward
     grad_accum: int = 1
     detach_chain: bool = False  # no gradient through the state a step hands the next (model/head.py `unrolled`)
+    feature_noise: float = 0.0  # training forwards only: uniform noise in [-a·m, a·m] added to the target features
+    #   the head's first step reads, m the median |x| of each position's state (eagle3: of each aux layer's), so one
+    #   a fits every layer and target whatever its massive activations; EAGLE-1's augmentation (absolute there).
+    #   0 = off (`feature_noise` below)
+    ema_decay: float = 0.0  # > 0: an exponential moving average of the head's weights (at step t each step's decay is
+    #   min(ema_decay, (1 + t) / (10 + t))) is what evaluations measure and checkpoints' head.safetensors hold, so
+    #   validate, export and serving use it; the trained weights go on in trainer_state for the resume. 0 = off
     steps: int = 0  # optimizer steps; 0 = `epochs` passes over the data
     epochs: float = 1.0
     lr: float = 3e-4
@@ -86,11 +93,13 @@ class TrainConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 1")
         for name in ("steps", "warmup_steps", "eval_every", "eval_batches", "save_every", "num_workers",
-                     "target_stats_cache_mb"):
+                     "target_stats_cache_mb", "feature_noise"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}={getattr(self, name)}: must be >= 0")
         if self.steps == 0 and self.epochs <= 0:
             raise ValueError("train.steps=0 needs train.epochs > 0")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"train.ema_decay={self.ema_decay}: must be in [0, 1) (0 = no weight average)")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.lr={self.lr} must be > 0 and train.min_lr_ratio={self.min_lr_ratio} in [0, 1]")
         if self.precision not in PRECISIONS:
@@ -108,6 +117,20 @@ class TrainConfig:
 
 class TrainingDiverged(ValueError):
     pass
+
+
+def feature_noise(x: torch.Tensor, amplitude: float, hidden_size: int, seed: int, step: int, rank: int,
+                  micro: int) -> torch.Tensor:
+    """`x` [..., k·hidden_size] plus uniform noise in [-a·m, a·m], m the median |x| of each position's state (of
+    each of its k states: an eagle3 head reads k aux layers side by side), drawn from a generator seeded by (run
+    seed, optimizer step, rank, micro-batch within the step): the same draws on a resumed run as on an
+    uninterrupted one, and independent of the global RNG (which the rest of training consumes as before)."""
+    key = ((seed * 1_000_003 + step) * 1_009 + rank) * 257 + micro
+    g = torch.Generator().manual_seed(key % (2 ** 63))
+    states = x.unflatten(-1, (-1, hidden_size))
+    scale = states.detach().abs().median(dim=-1, keepdim=True).values.float().cpu() * amplitude
+    noise = torch.rand(states.shape, generator=g, dtype=torch.float32).mul_(2).sub_(1).mul_(scale)
+    return x + noise.flatten(-2).to(device=x.device, dtype=x.dtype)
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -299,6 +322,13 @@ class Trainer:
         self.stop_requests: StopRequests | None = None  # set while fit runs
         self.stop_reason: str | None = None  # this rank's stop request (a signal, run_dir/STOP), read each step
         self.stop_agreed = False
+        self.ema = None  # train.ema_decay > 0: the weight average, name -> fp32 tensor beside its parameter
+        if tc.ema_decay:
+            if self.strategy == "deepspeed" and tc.zero_stage == 3:
+                raise ValueError(f"train.ema_decay={tc.ema_decay} needs every rank to hold the whole head, which "
+                                 "ZeRO-3 partitions: use train.zero_stage=1 or 2 (the head is small), or "
+                                 "train.ema_decay=0")
+            self.ema = {n: p.detach().float().clone() for n, p in self.head.named_parameters()}
         if cfg.resume:
             self._resume()
         elif ckpt.checkpoints(self.ckpt_root) or (self.ckpt_root / ckpt.LATEST).exists():
@@ -321,7 +351,8 @@ class Trainer:
                 "target_config": self.target_config.to_dict(), "step": self.step,
                 "depth": self.tc.depth, "recipe": self.cfg.recipe,
                 "store_plan_hash": self.train_store.manifest["plan_hash"],
-                **({"draft_vocab_coverage": self.draft_vocab.coverage} if self.draft_vocab is not None else {})}
+                **({"draft_vocab_coverage": self.draft_vocab.coverage} if self.draft_vocab is not None else {}),
+                **({"ema_decay": self.tc.ema_decay} if self.ema is not None else {})}
 
     def data_settings(self) -> dict:
         """What the data position means: a resume with other values would read other samples."""
@@ -373,7 +404,11 @@ class Trainer:
                 state = {"step": self.step, "epoch": self.epoch, "consumed": self.consumed,
                          "scheduler": self.scheduler.state_dict(), "total_steps": self.total_steps,
                          "data": self.data_settings(), "engine": self.engine_settings.layout()}
-                ckpt.write(tmp, self.step, head_state, self.head_meta(), state, self.config_yaml,
+                weights = head_state
+                if self.ema is not None:  # head.safetensors: the average; the trained weights for the resume
+                    state["live_head"] = {n: head_state[n] for n in self.ema}
+                    weights = {**head_state, **{n: v.to(head_state[n].dtype) for n, v in self.ema.items()}}
+                ckpt.write(tmp, self.step, weights, self.head_meta(), state, self.config_yaml,
                            rng=rngs[0] if self.world == 1 else rngs)
                 path = ckpt.commit(self.ckpt_root, self.step, keep=self.tc.keep_checkpoints)
 
@@ -426,7 +461,17 @@ class Trainer:
         if later:
             self.say(f"train: {', '.join(later)} come after {path.name}, which `latest` names; this run replaces "
                      "them as it reaches their steps")
-        self.engine.load(path, lambda: ckpt.load_head_state(path))
+        live = state.get("live_head")  # trained with train.ema_decay: head.safetensors holds the average
+        self.engine.load(path, lambda: {**ckpt.load_head_state(path), **(live or {})})
+        if self.ema is not None:
+            if live is None:
+                self.say(f"train: {path.name} was trained without train.ema_decay: the weight average starts from "
+                         "its weights")
+            saved = ckpt.load_head_state(path)
+            self.ema = {n: saved[n].float().to(v.device).clone() for n, v in self.ema.items()}
+        elif live is not None:
+            self.say(f"train: {path.name} was trained with train.ema_decay={meta.get('ema_decay')}: this run goes on "
+                     "from its trained weights, without a weight average")
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
         rng = state["rng"]
@@ -485,12 +530,39 @@ class Trainer:
         aux = self.head.aux_layers
         if self.strategy == "deepspeed" and self.tc.zero_stage == 3 and batches:  # equal forward counts
             steps, filler = math.ceil(len(batches) / self.world), Collate(self.val_store, aux)(batches[0])
-        m = evaluate(self.head, self.frozen, loader(self.val_store, batches[self.rank::self.world], aux=aux),
-                     self.tc.depth, self.tc.loss, self.device, self.autocast, steps=steps, filler=filler,
-                     stats=self.target_stats["val"])
+        with self.averaged_weights():
+            m = evaluate(self.head, self.frozen, loader(self.val_store, batches[self.rank::self.world], aux=aux),
+                         self.tc.depth, self.tc.loss, self.device, self.autocast, steps=steps, filler=filler,
+                         stats=self.target_stats["val"])
         self.log.log({f"val/{k}": v for k, v in m.items()}, self.step,
                      console=f"val step {self.step}: {format_eval(m, self.tc.depth)}")
         return m
+
+    @contextmanager
+    def averaged_weights(self):
+        """With train.ema_decay: the head holds the weight average inside, its trained weights again after."""
+        if self.ema is None:
+            yield
+            return
+        params = dict(self.head.named_parameters())
+        trained = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(self.ema[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(trained[n])
+
+    def update_average(self) -> None:
+        """After optimizer step t (`self.step`): ema <- d·ema + (1 - d)·w, d = min(ema_decay, (1 + t) / (10 + t))
+        (the early steps, far from the start, weigh more than a fixed decay would give them)."""
+        d = min(self.tc.ema_decay, (1 + self.step) / (10 + self.step))
+        with torch.no_grad():
+            for n, p in self.head.named_parameters():
+                self.ema[n].mul_(d).add_(p.detach().float(), alpha=1 - d)
 
     def micro_batches(self):
         """This rank's micro-batches from the current data position on, across epochs, forever."""
@@ -521,9 +593,13 @@ class Trainer:
         draft = self.head.draft_lm_head(self.frozen.lm_head_weight)
         for i, batch in enumerate(batches):
             batch = {k: v.to(self.device) for k, v in batch.items()}
+            inputs = head_inputs(batch)  # batch["hidden"] stays the clean label of the feature loss
+            if tc.feature_noise:
+                inputs = feature_noise(inputs, tc.feature_noise, self.head.hidden_size, self.seed, self.step,
+                                       self.rank, i)
             with self.engine.forward_context():
                 with self.autocast():
-                    outs = self.engine.forward(self.frozen.embed, head_inputs(batch), batch["input_ids"],
+                    outs = self.engine.forward(self.frozen.embed, inputs, batch["input_ids"],
                                                batch["lengths"], tc.depth, tc.detach_chain)
                 loss, m = head_loss([o.float() for o in outs], batch["hidden"], batch["loss_mask"], batch["lengths"],
                                     self.frozen.lm_head_weight, tc.loss, norm=norm, draft=draft,
@@ -552,6 +628,8 @@ class Trainer:
             raise TrainingDiverged(f"gradient norm is {grad_norm} at step {self.step + 1}; the last good "
                                    f"checkpoint is {last or 'none'}")
         self.step += 1
+        if self.ema is not None:
+            self.update_average()
         out = _averages(sums, tc.depth, names)
         out.update({"loss": loss_sum, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
                     "tokens": int(tokens)})
