@@ -84,6 +84,20 @@ def test_zero3_and_checkpointing_lower_the_70b_estimate():
     assert est[(2, True)].activations < est[(2, False)].activations
 
 
+def test_the_weight_average_is_counted_on_every_rank():
+    """train.ema_decay > 0: one fp32 copy of the whole head (4 bytes a trainable parameter) per rank, at every ZeRO
+    stage it is allowed with; nothing else changes."""
+    config = load_target_config(FIXTURES / "llama3.1-8b")
+    base = compose("llama3.1-8b", [f"target.path={FIXTURES / 'llama3.1-8b'}", "run_dir=runs/x"])
+    for stage in (1, 2):
+        tc = dataclasses.replace(base.train, zero_stage=stage)
+        plain = estimate_memory(config, tc, base.data.max_length, NODE, "deepspeed", base.head)
+        averaged = estimate_memory(config, dataclasses.replace(tc, ema_decay=0.99), base.data.max_length, NODE,
+                                   "deepspeed", base.head)
+        assert averaged.optimizer - plain.optimizer == 4 * plain.trainable_params
+        assert (averaged.weights, averaged.activations) == (plain.weights, plain.activations)
+
+
 def test_online_training_counts_the_target_it_holds():
     """train.features=online: each GPU also holds the bf16 target (Llama-3.1-8B less its lm_head: 7.50 B parameters, 14.0 GiB) and
     one forward of store.batch_tokens; the 8B recipe still fits an H100 with it."""

@@ -165,6 +165,24 @@ def test_weight_average_is_what_evaluations_and_checkpoints_hold(run_dir, monkey
     assert measured == trainer.validate() and measured != on_trained
 
 
+def test_resume_across_a_weight_average_switched_on_or_off(run_dir, capsys):
+    """An averaged run resumed without the average goes on from its trained weights (never the average that
+    head.safetensors holds); a plain run resumed with one starts the average from its weights. Both say so."""
+    args = ("train.steps=6", "train.lr=1e-2", "train.save_every=3")
+    Trainer(config(run_dir, *args, "train.ema_decay=0.5", "train.steps=3")).fit()
+    path = ckpt.latest(run_dir / "checkpoints")
+    live, average = ckpt.load_trainer_state(path)["live_head"], ckpt.load_head_state(path)
+    plain = Trainer(config(run_dir, *args, "resume=true"))
+    assert plain.ema is None and all(torch.equal(p.detach(), live[n]) for n, p in plain.head.named_parameters())
+    assert "goes on from its trained weights, without a weight average" in capsys.readouterr().out
+    plain.fit()
+    again = Trainer(config(run_dir, *args, "train.steps=8", "train.ema_decay=0.5", "resume=true"))
+    trained = ckpt.load_head_state(ckpt.latest(run_dir / "checkpoints"))
+    assert all(torch.equal(again.ema[n], trained[n]) for n in again.ema)  # the plain run's weights
+    assert "the weight average starts from its weights" in capsys.readouterr().out
+    assert not torch.equal(live["eh_proj.weight"], average["eh_proj.weight"])
+
+
 def test_feature_noise_is_relative_bounded_seeded_and_leaves_the_global_rng_alone():
     """Each position's state (each of an eagle3 input's k states) gets noise within a x its median |x|: a state
     of 1s and 300s (a massive activation) gets +-a, one 4 times larger +-4a; the same key draws the same noise."""

@@ -2,14 +2,15 @@
 reading a trained head out of one (what validate, generate and export do) is `mtp_train.model.checkpoint`.
 
     run_dir/checkpoints/step-000500/
-        head.safetensors     the head's own weights (never the frozen E / W)
+        head.safetensors     the head's own weights (never the frozen E / W); with train.ema_decay their average
         head.json            how to rebuild it: variant, head config, the target's config.json and identity
         optimizer.safetensors + optimizer.json
                              optimizer state (single process and DDP): its tensors, and the rest as JSON
         deepspeed/           instead of the optimizer files under DeepSpeed: its engine checkpoint, one optimizer
                              partition per rank (resumable at the same world size and ZeRO stage)
         trainer_state.safetensors + trainer_state.json
-                             step, data position, scheduler, RNG states (python, torch, cuda; every rank's)
+                             step, data position, scheduler, RNG states (python, torch, cuda; every rank's);
+                             with train.ema_decay the trained weights (`live_head`) the resume goes on from
         config.yaml          the resolved run config
         sha256.json          size and sha256 of every file above, written last
     run_dir/checkpoints/latest   the name of the newest complete checkpoint

@@ -558,7 +558,7 @@ class Trainer:
 
     def update_average(self) -> None:
         """After optimizer step t (`self.step`): ema <- d·ema + (1 - d)·w, d = min(ema_decay, (1 + t) / (10 + t))
-        (the early steps, far from the start, weigh more than a fixed decay would give them)."""
+        (the ramp lets the average leave the untrained start quickly; later steps approach the set decay)."""
         d = min(self.tc.ema_decay, (1 + self.step) / (10 + self.step))
         with torch.no_grad():
             for n, p in self.head.named_parameters():
