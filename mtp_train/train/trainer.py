@@ -21,6 +21,7 @@ prints its coverage. A resume with another draft vocabulary is refused.
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import time
@@ -126,11 +127,11 @@ def feature_noise(x: torch.Tensor, amplitude: float, hidden_size: int, seed: int
     seed, optimizer step, rank, micro-batch within the step): the same draws on a resumed run as on an
     uninterrupted one, and independent of the global RNG (which the rest of training consumes as before)."""
     key = ((seed * 1_000_003 + step) * 1_009 + rank) * 257 + micro
-    g = torch.Generator().manual_seed(key % (2 ** 63))
+    g = torch.Generator(device=x.device).manual_seed(key % (2 ** 63))  # drawn where x is: no host copy per batch
     states = x.unflatten(-1, (-1, hidden_size))
-    scale = states.detach().abs().median(dim=-1, keepdim=True).values.float().cpu() * amplitude
-    noise = torch.rand(states.shape, generator=g, dtype=torch.float32).mul_(2).sub_(1).mul_(scale)
-    return x + noise.flatten(-2).to(device=x.device, dtype=x.dtype)
+    scale = states.detach().abs().median(dim=-1, keepdim=True).values.float() * amplitude
+    noise = torch.rand(states.shape, generator=g, device=x.device, dtype=torch.float32).mul_(2).sub_(1).mul_(scale)
+    return x + noise.flatten(-2).to(x.dtype)
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -462,13 +463,13 @@ class Trainer:
             self.say(f"train: {', '.join(later)} come after {path.name}, which `latest` names; this run replaces "
                      "them as it reaches their steps")
         live = state.get("live_head")  # trained with train.ema_decay: head.safetensors holds the average
-        self.engine.load(path, lambda: {**ckpt.load_head_state(path), **(live or {})})
+        saved = functools.cache(lambda: ckpt.load_head_state(path))  # read once, and only if needed
+        self.engine.load(path, lambda: {**saved(), **(live or {})})
         if self.ema is not None:
             if live is None:
                 self.say(f"train: {path.name} was trained without train.ema_decay: the weight average starts from "
                          "its weights")
-            saved = ckpt.load_head_state(path)
-            self.ema = {n: saved[n].float().to(v.device).clone() for n, v in self.ema.items()}
+            self.ema = {n: saved()[n].float().to(v.device).clone() for n, v in self.ema.items()}
         elif live is not None:
             self.say(f"train: {path.name} was trained with train.ema_decay={meta.get('ema_decay')}: this run goes on "
                      "from its trained weights, without a weight average")
