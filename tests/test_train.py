@@ -183,6 +183,14 @@ def test_resume_across_a_weight_average_switched_on_or_off(run_dir, capsys):
     assert not torch.equal(live["eh_proj.weight"], average["eh_proj.weight"])
 
 
+def test_a_weight_average_is_refused_under_zero3_before_anything_is_built(tmp_path):
+    """ZeRO-3 partitions the head, so no rank could hold the average: refused at once, before a store is opened or
+    DeepSpeed started (the run_dir here holds no store at all), naming the stages that work."""
+    with pytest.raises(ValueError, match=r"train.ema_decay=0.9 .*ZeRO-3.*train.zero_stage=1 or 2"):
+        Trainer(config(tmp_path, "train.ema_decay=0.9", "train.strategy=deepspeed", "train.zero_stage=3"))
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_feature_noise_is_relative_bounded_seeded_and_leaves_the_global_rng_alone():
     """Each position's state (each of an eagle3 input's k states) gets noise within a x its median |x|: a state
     of 1s and 300s (a massive activation) gets +-a, one 4 times larger +-4a; the same key draws the same noise."""

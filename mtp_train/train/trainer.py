@@ -267,6 +267,10 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.device = dist.device_for(cfg.target.device, dist.Ranks(rank, world, local_rank))
         self.strategy = dist.resolve_strategy(self.tc.strategy, world, self.device)
+        if self.tc.ema_decay and self.strategy == "deepspeed" and self.tc.zero_stage == 3:  # before any engine
+            raise ValueError(f"train.ema_decay={self.tc.ema_decay} needs every rank to hold the whole head, which "
+                             "ZeRO-3 partitions: use train.zero_stage=1 or 2 (the head is small), or "
+                             "train.ema_decay=0")
         if cfg.head.variant == "eagle3" and self.tc.loss.w_feat:
             raise ValueError(f"train.loss.w_feat={self.tc.loss.w_feat}: an eagle3 head is trained on the "
                              "distribution alone (its output is not an estimate of the target's hidden state); "
@@ -325,10 +329,6 @@ class Trainer:
         self.stop_agreed = False
         self.ema = None  # train.ema_decay > 0: the weight average, name -> fp32 tensor beside its parameter
         if tc.ema_decay:
-            if self.strategy == "deepspeed" and tc.zero_stage == 3:
-                raise ValueError(f"train.ema_decay={tc.ema_decay} needs every rank to hold the whole head, which "
-                                 "ZeRO-3 partitions: use train.zero_stage=1 or 2 (the head is small), or "
-                                 "train.ema_decay=0")
             self.ema = {n: p.detach().float().clone() for n, p in self.head.named_parameters()}
         if cfg.resume:
             self._resume()
