@@ -192,7 +192,7 @@ def estimate_memory(target_config, train, seq_len: int, world: int, strategy: st
     else:
         weights, grads, optim = 4 * P // n + 4 * largest_module, 4 * P // n, 12 * P // n
         comm = 2 * 4 * bucket + 4 * largest_param
-    if getattr(train, "ema_decay", 0.0):  # the weight average: a whole fp32 copy on every rank (never under ZeRO-3)
+    if train.ema_decay:  # the weight average: a whole fp32 copy on every rank (never under ZeRO-3)
         optim += 4 * P
     tokens = train.micro_batch * seq_len
     per_token = sum(activation_bytes_per_token(config, j, seq_len, a, train.activation_checkpointing)
