@@ -14,7 +14,8 @@ median over rounds; the ratios are of medians.
 stay inside the first epoch of SmolLM2's 495 train samples; 150 steps (`side_by_side.py`'s budget) are 2.4
 epochs, where our trainer reads the target's full-vocabulary stats it kept from the first (`loss.TargetStats`);
 `--variants NAME=OVERRIDE,...` times further runs of ours (that cache off; subnormal floats kept, which our
-trainer flushes on CPUs), `--trainers` picks who runs. Writes
+trainer flushes on CPUs; `head.num_layers=2` beside `--peer-layers 2`, speculators with two decoder layers),
+`--trainers` picks who runs. Writes
 benchmarks/results/peers-trainer_speed[-<steps>][-<tag>].json (no step suffix for 20 steps) and prints the table.
 """
 
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--trainers", nargs="+", default=["ours", "speculators", "specforge"],
                     choices=["ours", "speculators", "specforge"])
     ap.add_argument("--variants", nargs="*", default=[], help="further runs of ours: NAME=OVERRIDE,OVERRIDE,...")
+    ap.add_argument("--peer-layers", type=int, default=1, help="speculators' decoder layers (side_by_side.py's "
+                    "option; a variant of ours with head.num_layers=N is the matched run)")
     ap.add_argument("--tag", default="", help="a suffix for the JSON's name (a later run beside an earlier one)")
     args = ap.parse_args()
     peer_trainers = [t for t in args.trainers if t != "ours"]
