@@ -307,6 +307,8 @@ def main() -> None:
     ap.add_argument("--tag", default=None, help="names the JSON (peers-side_by_side-TAG.json) and vLLM's folder "
                     "(--work/vllm-TAG), so a re-judging with other prompts keeps the earlier figures")
     args = ap.parse_args()
+    if args.peer_layers < 1:
+        ap.error(f"--peer-layers {args.peer_layers}: speculators' decoder layers, 1 or more")
     args.base, args.work = args.base.resolve(), args.work.resolve()
     os.environ.setdefault("WANDB_MODE", "offline")
     torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -59,6 +59,8 @@ def main() -> None:
                     "option; a variant of ours with head.num_layers=N is the matched run)")
     ap.add_argument("--tag", default="", help="a suffix for the JSON's name (a later run beside an earlier one)")
     args = ap.parse_args()
+    if args.peer_layers < 1:
+        ap.error(f"--peer-layers {args.peer_layers}: speculators' decoder layers, 1 or more")
     peer_trainers = [t for t in args.trainers if t != "ours"]
     if peer_trainers and args.data is None:
         ap.error(f"--data (side_by_side.py's peers' data) is needed to train {', '.join(peer_trainers)}")
