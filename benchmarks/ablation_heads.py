@@ -90,10 +90,12 @@ def train_fresh(cfg):
 
 def train_one(base: Path, variant: str, seed: int, args) -> dict:
     from mtp_train.config import compose
-    from mtp_train.inference import load_runner
+    from mtp_train.inference.runner import load_runner
     from mtp_train.inference.load import load_head, stop_tokens
     from mtp_train.model.target import load_tokenizer
-    from mtp_train.validate import decoding, held_out_prompts, teacher_forced
+    from mtp_train.data.held_out import held_out_prompts
+    from mtp_train.validate.decoding import decoding
+    from mtp_train.validate.teacher_forced import teacher_forced
 
     run_dir = args.work / f"{variant}-s{seed}"
     done = run_dir / "result.json"

@@ -21,9 +21,11 @@ import torch
 
 from mtp_train.config import compose
 from mtp_train.inference.load import load_draft, load_head, stop_tokens
-from mtp_train.inference import SamplingConfig, load_runner
+from mtp_train.inference.config import SamplingConfig
+from mtp_train.inference.runner import load_runner
 from mtp_train.model.target import load_tokenizer
-from mtp_train.validate import decode_all, held_out_prompts
+from mtp_train.data.held_out import held_out_prompts
+from mtp_train.validate.decoding import decode_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

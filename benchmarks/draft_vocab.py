@@ -33,13 +33,17 @@ from timing import command, machine  # noqa: E402
 
 from mtp_train.config import compose  # noqa: E402
 from mtp_train.inference.load import load_head_module, stop_tokens  # noqa: E402
-from mtp_train.inference import HeadDrafter, SamplingConfig, load_runner  # noqa: E402
+from mtp_train.inference.config import SamplingConfig
+from mtp_train.inference.drafters import HeadDrafter
+from mtp_train.inference.runner import load_runner  # noqa: E402
 from mtp_train.model.frozen import FrozenTarget  # noqa: E402
 from mtp_train.model.head import DRAFT_VOCAB_BUFFERS, DraftHead  # noqa: E402
 from mtp_train.model.target import load_tokenizer  # noqa: E402
 from mtp_train.store.reader import StoreReader  # noqa: E402
 from mtp_train.train.vocab import most_frequent, trained_token_counts  # noqa: E402
-from mtp_train.validate import decode_all, held_out_prompts, teacher_forced  # noqa: E402
+from mtp_train.data.held_out import held_out_prompts
+from mtp_train.validate.decoding import decode_all
+from mtp_train.validate.teacher_forced import teacher_forced  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "draft_vocab.json"
 

@@ -40,7 +40,7 @@ CANDIDATES = {
 def probe(name: str, args) -> dict:
     from ablation_heads import link_base, train_fresh
     from mtp_train.config import compose
-    from mtp_train.validate import teacher_forced
+    from mtp_train.validate.teacher_forced import teacher_forced
 
     run_dir = args.work / name
     done = run_dir / "result.json"

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import command, machine  # noqa: E402
 
-from mtp_train.validate import processor_name  # noqa: E402
+from mtp_train.validate.decoding import processor_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("store", "online", "hybrid")

@@ -65,7 +65,8 @@ def main() -> None:
     from mtp_train.train import distributed as dist
     from mtp_train.train.loss import counted_positions, head_loss
     from mtp_train.train.memory import estimate_memory, load_target_config
-    from mtp_train.train.trainer import init_head_weights, lr_lambda
+    from mtp_train.train.optim import lr_lambda
+    from mtp_train.train.trainer import init_head_weights
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -96,7 +97,7 @@ def main() -> None:
     if args.online:  # a random target of the same shape: its forward costs what the real one's does
         from transformers import AutoModel
 
-        from mtp_train.store.precompute import HiddenStates, sample_states
+        from mtp_train.store.forward import HiddenStates, sample_states
         from mtp_train.train.memory import online_target_bytes
 
         with torch.device(device):

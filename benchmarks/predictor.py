@@ -114,7 +114,7 @@ def cpu_forward_section(config_dir: Path, batches, contexts, news) -> dict:
 
 
 def speedup_section(paths: list[Path]) -> list[dict]:
-    from mtp_train.inference.tree import tree_label
+    from mtp_train.inference.config import tree_label
 
     out = []
     for path in paths:

@@ -29,9 +29,11 @@ import torch
 from mtp_train.config import compose
 from timing import command, machine, median_seconds
 from mtp_train.inference.load import load_draft, load_head, stop_tokens
-from mtp_train.inference import SamplingConfig, load_runner
+from mtp_train.inference.config import SamplingConfig
+from mtp_train.inference.runner import load_runner
 from mtp_train.model.target import load_tokenizer
-from mtp_train.validate import decode_all, held_out_prompts
+from mtp_train.data.held_out import held_out_prompts
+from mtp_train.validate.decoding import decode_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -62,7 +64,8 @@ def step_costs(target, head_drafter, prompt: list[int], repeats: int = 30) -> di
     """Median seconds of one target decoding step (one token on a cache holding `prompt`), of one verification
     forward over 2 and 4 tokens, and of one head draft step (one chain step: the head's layer and its draft
     logits), each on a cache that is rolled back after it."""
-    from mtp_train.inference import Features, SamplingConfig
+    from mtp_train.inference.config import SamplingConfig
+    from mtp_train.inference.drafters import Features
     from mtp_train.inference.runner import left_pad
 
     ids, valid = left_pad([prompt])
@@ -103,7 +106,7 @@ def profile_step(target, drafter, prompts: list[list[int]], k: int, new_tokens: 
     roll-back and the rest (verification, bookkeeping in Python). Seconds per step, over `prompts`."""
     import time
 
-    from mtp_train.inference import SpeculativeDecoder
+    from mtp_train.inference.speculative import SpeculativeDecoder
     from mtp_train.inference import runner as runner_module
     from mtp_train.inference.cache import SlotCache
 

@@ -24,11 +24,12 @@ import torch
 from timing import command, machine
 
 from mtp_train.config import compose
-from mtp_train.inference import load_runner
+from mtp_train.inference.runner import load_runner
 from mtp_train.inference.load import load_head
 from mtp_train.inference.predict import time_steps
 from mtp_train.model import frozen
-from mtp_train.validate import held_out_prompts, processor_name
+from mtp_train.data.held_out import held_out_prompts
+from mtp_train.validate.decoding import processor_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

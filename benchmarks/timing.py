@@ -8,7 +8,7 @@ import platform
 import statistics
 import time
 
-from mtp_train.config import default_overrides
+from mtp_train.config import PLAIN_HEAD  # noqa: F401  (re-exported: the benchmarks import it from here)
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -36,11 +36,3 @@ def command(script: str, args) -> str:
     return f"benchmarks/{script} " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items() if v is not None)
-
-
-# The `smollm2-135m` recipe trains an eagle3 head with its own start and loss options (since 2026-12-04); the
-# benchmarks that compare head variants, probe eagle3 or match the peers' settings start from the plain head
-# instead: these put every head and loss option that recipe sets back to the schema's default (harmless on recipes
-# that do not set them). An eagle3 run adds `train.loss.w_feat=0` after them.
-PLAIN_HEAD = default_overrides("head.init_fc", "head.init_layer", "head.norm_output", "train.loss.accept_weight",
-                               "train.loss.w_feat")

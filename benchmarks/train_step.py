@@ -93,7 +93,7 @@ def one(variant: str, args) -> dict:
 
 
 def main() -> None:
-    from mtp_train.validate import processor_name
+    from mtp_train.validate.decoding import processor_name
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=128256)

@@ -5,7 +5,7 @@ alone, at batch 1 and batch 8, on the prompts of a `make test-serving` case.
         [--serving-dir runs/serving] [--case vllm-mtp] [--k 3] [--new-tokens 48]
 
 Reads the case's target, export directory and held-out prompts from SERVING_DIR/manifest.json (prepare.py wrote
-it), and runs `mtp_train/export/vllm_run.py` with vLLM's Python four times: target alone and with the head,
+it), and runs `mtp_train/inference/vllm_run.py` with vLLM's Python four times: target alone and with the head,
 `--max-num-seqs 1` (one request at a time) and 8 (all 8 prompts batched), greedy, fp32, enforce_eager. Timed is
 vLLM's `generate` call only (engine start-up excluded); tokens/s = generated tokens / those seconds. Prints a
 table and writes benchmarks/results/vllm_mtp_speed[-CASE].json.
@@ -54,7 +54,7 @@ def main() -> None:
         for spec in (None, ("eagle", case["draft"], str(args.k))):
             name = f"{'head' if spec else 'target'}-b{batch}"
             out = work / f"{args.case}-{name}.json"
-            cmd = [args.vllm_python, str(ROOT / "mtp_train" / "export" / "vllm_run.py"), case["target"], str(prompts),
+            cmd = [args.vllm_python, str(ROOT / "mtp_train" / "inference" / "vllm_run.py"), case["target"], str(prompts),
                    str(out), *(spec or ()), "--max-tokens", str(args.new_tokens), "--max-num-seqs", str(batch)]
             print("+", " ".join(cmd), flush=True)
             with open(out.with_suffix(".log"), "w") as log:

@@ -42,9 +42,9 @@ STAGES: dict[str, Stage] = {
     "train": Stage("fit the draft head on the stored hidden states (run_dir/checkpoints)",
                    "mtp_train.train.trainer:run"),
     "validate": Stage("teacher-forced metrics + real speculative decoding: loss, accuracy, tau "
-                      "(run_dir/validation/report.json)", "mtp_train.validate:run"),
+                      "(run_dir/validation/report.json)", "mtp_train.validate.run:run"),
     "export": Stage("write the head in serving layouts: format=hf-mtp|eagle|deepseek-nextn (run_dir/export)",
-                    "mtp_train.export:run", section="export"),
+                    "mtp_train.export.run:run", section="export"),
     "pipeline": Stage("run prepare -> precompute -> train -> validate -> export in order", "mtp_train.cli:run_pipeline"),
     "info": Stage("check the recipe's target and draft: derived architecture, tokenizer, a greedy sample",
                   "mtp_train.info:run"),

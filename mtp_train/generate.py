@@ -9,64 +9,21 @@ for another target is refused); `mtp_train.inference.load` builds the drafter, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from mtp_train.inference import SamplingConfig, TreeConfig, generate, load_runner
-from mtp_train.inference.tree import tree_label
-from mtp_train.inference.load import SPECULATIVE, check_drafter, encode_prompt, load_drafter, stop_tokens
+from mtp_train.inference.config import tree_label
+from mtp_train.inference.load import check_drafter, encode_prompt, load_drafter, stop_tokens
+from mtp_train.inference.runner import load_runner
+from mtp_train.inference.speculative import generate
+from mtp_train.model.target import load_tokenizer
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
 
 
-@dataclass
-class GenerateConfig:
-    prompt: str = "Write `def is_palindrome(text)`.\n\nReturn True if text reads the same backwards."
-    speculative: str = "head"  # head (run_dir/checkpoints/latest) | draft (target.draft_path) | none
-    k: int = 4  # drafted tokens per target forward
-    # a draft tree per step instead of the chain of k: [steps, topk, num_draft_tokens] as SGLang names them; [] = chain
-    tree: list[int] = field(default_factory=list)
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    max_new_tokens: int = 128
-    chat: bool = True  # wrap the prompt in the tokenizer's chat template when it has one
-
-    def __post_init__(self) -> None:
-        if self.speculative not in SPECULATIVE:
-            raise ValueError(f"generate.speculative={self.speculative!r}: expected one of {', '.join(SPECULATIVE)}")
-        if self.k < 1:
-            raise ValueError(f"generate.k={self.k}: must be >= 1 (the drafted tokens per target forward); "
-                             "speculative=none decodes without drafting")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"generate.max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.tree and len(self.tree) != 3:
-            raise ValueError(f"generate.tree={list(self.tree)}: expected [steps, topk, num_draft_tokens] (or [] for a "
-                             "chain of k drafts)")
-        try:
-            self.tree_config
-        except ValueError as e:
-            raise ValueError(f"generate.{e}") from None
-        try:
-            self.sampling
-        except ValueError as e:
-            raise ValueError(f"generate.{e}") from None
-
-    @property
-    def tree_config(self) -> TreeConfig | None:
-        return TreeConfig(*map(int, self.tree)) if self.tree else None
-
-    @property
-    def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p)
-
-
 def run(cfg: "RunConfig") -> dict:
-    from mtp_train.model.target import load_tokenizer
-
     g = cfg.generate
     check_drafter(cfg, g.speculative)  # before loading any weights
     tokenizer = load_tokenizer(cfg.target.path)

@@ -9,24 +9,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from mtp_train.model.config import InfoConfig
 from mtp_train.model.target import TargetArch, check_draft_tokenizer, load_causal_lm, load_tokenizer
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
-
-
-@dataclass
-class InfoConfig:
-    generate: bool = True  # load the weights and decode the prompt (turn off for targets too big for this host)
-    prompt: str = "Write `def is_palindrome(text)`.\n\nReturn True if text reads the same backwards."
-    chat: bool = True  # wrap the prompt in the tokenizer's chat template when it has one
-    max_new_tokens: int = 48
 
 
 def _check_tokenizer(tokenizer, arch: TargetArch, path: str, what: str) -> None:

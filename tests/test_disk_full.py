@@ -129,7 +129,7 @@ def test_prepare_on_a_full_disk(tmp_path, small_fs):
 def test_export_on_a_full_disk(tmp_path, small_fs):
     """Room for the first of the two EAGLE exports, not the second: the first is kept whole (it reads back), the
     second leaves nothing behind; with room the rerun skips the first and writes the second as on a roomy disk."""
-    from mtp_train.export import run as export
+    from mtp_train.export.run import run as export
     from mtp_train.model.head import HeadConfig
     from test_export import saved_run, tiny_llama
 

@@ -12,12 +12,15 @@ import pytest
 import torch
 from transformers import AutoConfig, LlamaConfig
 
-from mtp_train.inference import HeadDrafter, SamplingConfig, SpeculativeDecoder, generate
+from mtp_train.inference.config import SamplingConfig
+from mtp_train.inference.drafters import HeadDrafter
+from mtp_train.inference.speculative import generate, SpeculativeDecoder
 from mtp_train.model.head import DraftHead, DraftLMHead, HeadConfig, unrolled
 from mtp_train.store.format import identity_for, write_split
 from mtp_train.store.reader import StoreReader
 from mtp_train.train import checkpoint as ckpt
-from mtp_train.train.loss import LossConfig, TargetStats, distill_ce, head_loss, needed_positions
+from mtp_train.train.distill import distill_ce
+from mtp_train.train.loss import LossConfig, TargetStats, head_loss, needed_positions
 from mtp_train.train.trainer import Trainer
 from mtp_train.train.vocab import choose_draft_vocab, most_frequent, trained_token_counts
 from test_inference import (NEW, ROWS, STOP, VOCAB, fresh_prefill, prompts, reference, target,  # noqa: F401 (fixtures)
@@ -477,7 +480,7 @@ def test_sampled_speculative_decoding_with_a_draft_vocabulary_reproduces_the_tar
     the first three new tokens follow the target's joint distribution, tokens outside the subset included."""
     from test_inference_sampling import chi_square_p_value
 
-    from mtp_train.inference import CausalLMRunner
+    from mtp_train.inference.runner import CausalLMRunner
 
     target_lm = CausalLMRunner(tiny_lm(0, 30.0))
     torch.manual_seed(2)
@@ -507,7 +510,7 @@ def test_sampled_speculative_decoding_with_a_draft_vocabulary_reproduces_the_tar
 @pytest.mark.parametrize("variant", ["mtp", "eagle1"])
 def test_export_leaves_the_draft_vocabulary_out_and_says_so(tmp_path, variant):
     """Only vllm-mtp (and the EAGLE-3 layouts) carry a draft vocabulary; the others leave it out and say so."""
-    from mtp_train.export import run as export
+    from mtp_train.export.run import run as export
     from test_export import keys, saved_run, tiny_llama
 
     cfg, head, _ = saved_run(tmp_path, tiny_llama(), HeadConfig(variant=variant, draft_vocab=20))
@@ -528,7 +531,7 @@ def test_export_leaves_the_draft_vocabulary_out_and_says_so(tmp_path, variant):
 
 def test_memory_estimate_counts_the_draft_vocabulary():
     from mtp_train.train.memory import estimate_memory
-    from mtp_train.train.trainer import TrainConfig
+    from mtp_train.train.config import TrainConfig
 
     big = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                       vocab_size=128256)

@@ -8,7 +8,9 @@ import torch
 from transformers import AutoConfig, LlamaConfig
 
 from mtp_train.config import compose
-from mtp_train.inference import SamplingConfig, SpeculativeDecoder, generate, load_runner
+from mtp_train.inference.config import SamplingConfig
+from mtp_train.inference.runner import load_runner
+from mtp_train.inference.speculative import generate, SpeculativeDecoder
 from mtp_train.model.head import DraftHead, HeadCache, HeadConfig, additive_mask, unrolled
 from mtp_train.model.target import TargetConfig
 from mtp_train.train import checkpoint as ckpt
@@ -441,7 +443,7 @@ def test_greedy_speculative_output_is_the_targets(drafter, runner, samples, k):
 # -- exports -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def exported(trained, tiny_run_config):
-    from mtp_train.export import run as export
+    from mtp_train.export.run import run as export
 
     run_dir, _, _ = trained
     cfg = tiny_run_config(run_dir, "export.dtype=fp32")
@@ -485,7 +487,7 @@ def test_a_bf16_export_reads_back_exactly(trained, tiny_run_config, tmp_path):
     them bit for bit (rotary frequencies included: both sides round the head the same way)."""
     import shutil
 
-    from mtp_train.export import run as export
+    from mtp_train.export.run import run as export
 
     run_dir, _, _ = trained
     shutil.copytree(run_dir / "checkpoints", tmp_path / "checkpoints")

@@ -16,7 +16,7 @@ import torch
 from runs import untrained_head_run
 
 from mtp_train.config import compose
-from mtp_train.export import run as export
+from mtp_train.export.run import run as export
 from mtp_train.export.engine_check import BEGIN, main
 
 FAKE = """#!{python}
@@ -29,7 +29,8 @@ ap.add_argument("spec", nargs="*"); ap.add_argument("--max-tokens", type=int); a
 ap.add_argument("--max-model-len", type=int)
 a = ap.parse_args()
 assert a.dtype == "float32" and a.max_model_len >= 1024, (a.dtype, a.max_model_len)
-from mtp_train.inference import generate, load_runner
+from mtp_train.inference.runner import load_runner
+from mtp_train.inference.speculative import generate
 from mtp_train.model.target import TargetConfig
 runner = load_runner(a.target, TargetConfig(path=a.target, device="cpu"))
 tokens = generate(runner, json.load(open(a.prompts)), max_new_tokens=a.max_tokens, stop_tokens=set()).tokens
@@ -96,7 +97,7 @@ def test_engine_check_reports_both_engines_and_fails_on_a_gap(eagle_run, monkeyp
 def test_our_side_drafts_with_the_exported_weights_not_the_latest_checkpoint(eagle_run, tmp_path):
     """Training on after the export: the engine check still compares the head the export holds."""
     from mtp_train.export.engine_check import exported_head
-    from mtp_train.inference import load_runner
+    from mtp_train.inference.runner import load_runner
     from mtp_train.model.checkpoint import read_head
 
     run_dir, overrides, _ = eagle_run

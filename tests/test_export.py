@@ -15,8 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV2Config, Dee
 
 from mtp_train.cli import EXIT_FAILED, main
 from mtp_train.config import compose
-from mtp_train.export import choose_format
-from mtp_train.export import run as export
+from mtp_train.export.run import choose_format
+from mtp_train.export.run import run as export
 from mtp_train.export.layouts import deepseek_eagle, hf_mtp, nextn, vllm_mtp
 from mtp_train.export.write import read_back
 from mtp_train.model.frozen import FrozenTarget

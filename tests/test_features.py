@@ -90,7 +90,7 @@ def test_an_online_run_equals_the_store_run_bit_for_bit(offline, data, tmp_path)
     _same_head(d, offline)
     assert summary["final"]["d1/acc"] > summary["start"]["d1/acc"]
     # validate's teacher-forced metrics of the online run compute the val states themselves: the store's again
-    from mtp_train.validate import teacher_forced
+    from mtp_train.validate.teacher_forced import teacher_forced
 
     trainer = Trainer(_cfg(d, "online", "train.steps=12", "resume=true"))  # the trained head, from its checkpoint
     online = teacher_forced(_cfg(d, "online"), trainer.head, trainer.frozen, torch.device("cpu"), 2)

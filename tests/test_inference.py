@@ -9,8 +9,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 
 from mtp_train.data.chat import tokenize_conversation
 from mtp_train.data.stdlib import function_conversations, list_files
-from mtp_train.inference import (CausalLMRunner, HeadDrafter, LMDrafter, SamplingConfig, SpeculativeDecoder,
-                                 generate, load_runner)
+from mtp_train.inference.config import SamplingConfig
+from mtp_train.inference.drafters import HeadDrafter, LMDrafter
+from mtp_train.inference.runner import CausalLMRunner, load_runner
+from mtp_train.inference.speculative import generate, SpeculativeDecoder
 from mtp_train.model.head import DraftHead, unrolled
 from mtp_train.model.target import TargetConfig, load_tokenizer
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp_train.train.loss import LossConfig, distill_ce, head_loss, predicted_mask
+from mtp_train.train.distill import distill_ce
+from mtp_train.train.loss import LossConfig, head_loss, predicted_mask
 
 
 def direct(x, y, W, weight, temperature):

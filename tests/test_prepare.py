@@ -667,7 +667,7 @@ def test_sigterm_while_the_target_loads_for_regeneration_exits_75(tmp_path):
     source = _write_jsonl(tmp_path / "c.jsonl", TWO_TURNS[:2])
     run_dir = tmp_path / "run"
     done = signalled_run(["prepare", f"run_dir={run_dir}", f"data.sources=[{{path: {source}, split: train}}]",
-                          *REGEN], "mtp_train.inference:load_runner")
+                          *REGEN], "mtp_train.data.regenerate:load_runner")
     assert done.returncode == 75, done.stderr
     assert "prepare: stopped on request (SIGTERM) outside a batch of replies (reading, loading the target, " \
            "tokenizing), at once: nothing was being written" in done.stderr

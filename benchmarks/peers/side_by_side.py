@@ -100,7 +100,7 @@ def ours(args, cfg_overrides: list[str], name: str, work: Path, timing_only: boo
     tokens/s; with `timing_only`, trained and timed only."""
     from ablation_heads import link_base, train_fresh
     from mtp_train.config import compose
-    from mtp_train.export import run as export
+    from mtp_train.export.run import run as export
 
     run_dir = work / name
     link_base(run_dir, args.base)
@@ -119,7 +119,7 @@ def ours(args, cfg_overrides: list[str], name: str, work: Path, timing_only: boo
         shutil.rmtree(run_dir / "export", ignore_errors=True)
         done.unlink(missing_ok=True)
         trainer, _ = train_fresh(cfg)
-        from mtp_train.validate import teacher_forced
+        from mtp_train.validate.teacher_forced import teacher_forced
 
         tf = teacher_forced(cfg, trainer.head.eval(), trainer.frozen, trainer.device, args.depth + 2)
         (run_dir / "teacher_forced.json").write_text(json.dumps(
@@ -150,7 +150,7 @@ def peer_teacher_forced(export: Path, cfg, depth: int) -> dict:
 
     from mtp_train.export.eagle3 import read_engine
     from mtp_train.model.frozen import FrozenTarget
-    from mtp_train.validate import teacher_forced
+    from mtp_train.validate.teacher_forced import teacher_forced
 
     head = read_engine(export, "vllm", AutoConfig.from_pretrained(cfg.target.path), drop=("embed_tokens.",)).float()
     frozen = FrozenTarget.from_pretrained(cfg.target.path, dtype=torch.float32, device="cpu")
@@ -237,8 +237,9 @@ def run(cmd: list[str], log: Path) -> None:
 
 def judge(args, heads: dict, cfg, work: Path) -> dict:
     """vLLM on each head at each k, beside its target-only output; our engine on our exports."""
-    from mtp_train.export.engine_check import compare, ours as ours_engine, run_vllm
-    from mtp_train.validate import held_out_prompts
+    from mtp_train.export.engine_check import compare, ours as ours_engine
+    from mtp_train.inference.vllm import run_vllm
+    from mtp_train.data.held_out import held_out_prompts
 
     python = str(ROOT / ".venv-vllm" / "bin" / "python")
     prompts, source = held_out_prompts(Path(cfg.run_dir) / "data", args.prompts, cfg.validate.max_prompt_tokens)

@@ -22,7 +22,7 @@ draft vocabulary size. OUT receives
     specforge/vocab_mapping.pt           {"d2t", "t2d"}: the same draft vocabulary, SpecForge's file
     peers.json              what was written: counts, tokens, aux layers, dtypes, the vocabulary's size and source
 
-Our store holds the final hidden state after the final norm (DESIGN §5); RMSNorm drops each token's scale, so the
+Our store holds the final hidden state after the final norm (docs/design.md §5); RMSNorm drops each token's scale, so the
 pre-norm state speculators wants cannot be derived from it: the store keeps it as layer L instead (precompute
 catches the final norm's input, `mtp_train/model/target.py:hook_layer_inputs`).
 """

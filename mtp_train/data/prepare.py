@@ -19,74 +19,26 @@ import random
 import shutil
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import datasets
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from mtp_train import __version__
 from mtp_train.data.chat import BadRecord, Tokenized, tokenize_conversation, tokenize_text
-from mtp_train.data.sources import Record, SourceConfig, check_exists, file_digests, read_source
+from mtp_train.data.regenerate import regenerate
+from mtp_train.data.sources import Record, check_exists, file_digests, read_source
 from mtp_train.files import replace_dir, space_for, write_json
-from mtp_train.model.target import load_tokenizer, target_fingerprint
+from mtp_train.model.target import load_tokenizer, target_fingerprint, tokenizer_hash
 from mtp_train.preempt import StopRequests
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
 
 FORMAT_VERSION = 1
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "tokenizer.model")
-
-
-@dataclass
-class DataConfig:
-    sources: list[SourceConfig] = field(default_factory=list)
-    max_length: int = 2048  # tokens per sample; text documents are cut into chunks of this size
-    overlong: str = "truncate"  # truncate | drop: what happens to a conversation longer than max_length
-    last_turn_only: bool = False  # train only on the last assistant turn of each conversation
-    dedupe: bool = True
-    val_fraction: float = 0.02  # share of the samples of split=auto sources that go to val
-    on_bad_line: str = "error"  # error: stop before writing, naming file:line and field | skip: count and go on
-    regenerate: bool = False  # replace assistant turns with the target's own replies (self-distillation)
-    regen_temperature: float = 0.0  # 0 = greedy
-    regen_max_new_tokens: int = 256
-    regen_batch_size: int = 8
-    # an OpenAI-compatible server (vLLM, SGLang) that serves the run's target, e.g. http://127.0.0.1:8000/v1: the
-    # replies come from it instead of our engine (the regen_* settings below only apply to it)
-    regenerate_server: str = ""
-    regen_model: str = ""  # the served model's name; "" = the server's first (GET /models)
-    regen_concurrency: int = 16  # requests in flight
-    regen_timeout: float = 300.0  # seconds per request
-    regen_retries: int = 3  # attempts after the first, with exponential backoff (1 s, 2 s, 4 s ...)
-    overwrite: bool = False  # replace an existing run_dir/data made with another config
-
-    def __post_init__(self) -> None:
-        if self.overlong not in ("truncate", "drop"):
-            raise ValueError(f"data.overlong={self.overlong!r}; expected truncate or drop")
-        if self.on_bad_line not in ("error", "skip"):
-            raise ValueError(f"data.on_bad_line={self.on_bad_line!r}; expected error or skip")
-        if self.max_length < 2:
-            raise ValueError(f"data.max_length must be at least 2, got {self.max_length}")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.regenerate_server and not self.regenerate_server.startswith(("http://", "https://")):
-            raise ValueError(f"data.regenerate_server={self.regenerate_server!r}: expected an http(s) URL of an "
-                             "OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1")
-        if self.regen_concurrency < 1 or self.regen_retries < 0 or self.regen_timeout <= 0:
-            raise ValueError(f"data.regen_concurrency={self.regen_concurrency} (>= 1), data.regen_retries="
-                             f"{self.regen_retries} (>= 0), data.regen_timeout={self.regen_timeout} (> 0)")
-
-
-def tokenizer_hash(path: str | Path) -> str:
-    h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        f = Path(path) / name
-        if f.is_file():
-            h.update(name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
 
 
 def config_hash(cfg: "RunConfig", sources: list) -> str:
@@ -208,8 +160,6 @@ def _shuffled(items: list, seed: str) -> list:
 def write(out_dir: Path, splits: dict[str, list[Tokenized]], manifest: dict, keep: list[Path] = ()) -> None:
     """Both splits and the manifest into a temporary directory, then renamed to `out_dir`; the files of `keep`
     (in `out_dir`: the regeneration journal) go along (linked, not copied)."""
-    import datasets
-
     datasets.disable_progress_bars()
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int8"))})
@@ -278,8 +228,6 @@ def _run(cfg: "RunConfig") -> dict:
     samples, manifest = collect(cfg)
     regen = None
     if data.regenerate:  # before weighting, so a repeated conversation is generated once
-        from mtp_train.data.regenerate import regenerate
-
         rewritten, regen = regenerate(cfg, tokenizer, [(r, s) for _, r, s in samples], sources)
         samples = [(i, r, s) for (i, _, _), (r, s) in zip(samples, rewritten)]
     splits, counts = tokenize(cfg, tokenizer, weigh(cfg, samples, manifest))

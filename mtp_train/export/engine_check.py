@@ -4,7 +4,7 @@ k; per-position acceptance from each, side by side, and whether vLLM's output is
     python -m mtp_train.export.engine_check --vllm-python .venv-vllm/bin/python recipe=tiny run_dir=runs/demo \\
         [--layout eagle-vllm] [--k 3] [--prompts 8] [--new-tokens 48] [key=value ...]
 
-vLLM runs in its own venv (`make test-serving` builds `.venv-vllm`), through `vllm_run.py`, which imports
+vLLM runs in its own venv (`make test-serving` builds `.venv-vllm`), through `inference/vllm_run.py`, which imports
 nothing of ours. Both sides run the same greedy math, so their acceptance by position should agree within
 ±0.03 (what `make test-serving` asserts); a larger gap is a bug in one of them. The figures are written to
 `<export dir>/engine_check.json` and quoted in the export's model card (README.md), and the command exits 1
@@ -15,20 +15,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
+import torch
+
+from mtp_train.config import compose
+from mtp_train.data.held_out import held_out_prompts
 from mtp_train.export.write import CARD, ENGINE_CHECK, EXPORT_JSON
 from mtp_train.files import write_atomic, write_json
+from mtp_train.inference.config import SamplingConfig
+from mtp_train.inference.drafters import HeadDrafter
+from mtp_train.inference.load import stop_tokens
+from mtp_train.inference.runner import load_runner
+from mtp_train.inference.speculative import generate
+from mtp_train.inference.vllm import METHODS, run_vllm
+from mtp_train.model.checkpoint import read_head
+from mtp_train.model.target import load_tokenizer
 
-# export layout -> vLLM's speculative method for it
-METHODS = {"vllm-mtp": "eagle", "eagle-vllm": "eagle", "eagle3": "eagle3", "eagle3-speculators": "eagle3",
-           "deepseek-eagle": "eagle", "deepseek-nextn": "mtp"}
-VLLM_RUN = Path(__file__).with_name("vllm_run.py")
 TOLERANCE = 0.03
 BEGIN, END = "<!-- engine-check -->", "<!-- /engine-check -->"
 
@@ -36,11 +43,6 @@ BEGIN, END = "<!-- engine-check -->", "<!-- /engine-check -->"
 def exported_head(cfg, export_dir: Path, target):
     """The drafter of the weights `export_dir` holds: the checkpoint its export.json names, rounded to the
     export's dtype (as the export's own read-back check does), computing in the target's dtype."""
-    import torch
-
-    from mtp_train.inference import HeadDrafter
-    from mtp_train.model.checkpoint import read_head
-
     made = json.loads((export_dir / EXPORT_JSON).read_text())
     head, _ = read_head(cfg, Path(made["checkpoint"]))
     dtype = getattr(torch, made["dtype"])
@@ -57,12 +59,6 @@ def ours(cfg, prompts: list[list[int]], k: int, new_tokens: int, export_dir: Pat
     """Greedy decoding of `prompts` with our engine: the target alone (one batch), then with the head
     `export_dir` holds at `k`, one prompt at a time (vLLM's counters are compared per verification step).
     With `temperature` > 0, also the head's sampled run at it (seeded per prompt): `sampled`."""
-    import torch
-
-    from mtp_train.inference import SamplingConfig, generate, load_runner
-    from mtp_train.inference.load import stop_tokens
-    from mtp_train.model.target import load_tokenizer
-
     tokenizer = load_tokenizer(cfg.target.path)
     target = load_runner(cfg.target.path, cfg.target)
     stop = stop_tokens(tokenizer, target)
@@ -96,29 +92,6 @@ def cut(tokens: list[int], stop: list[int]) -> list[int]:
         if t in stop:
             return tokens[:i + 1]
     return tokens
-
-
-def run_vllm(python: str, target: str, prompts: list[list[int]], out: Path, new_tokens: int, dtype: str,
-             spec: tuple[str, str, int] | None = None, options: tuple[str, ...] = (), timeout: float = 1800) -> dict:
-    """`vllm_run.py` with vLLM's Python (and its further `options`); its JSON (with `error` when vLLM could not
-    do it). vLLM's output goes to `out` with `.log` for `.json`."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.unlink(missing_ok=True)  # never an earlier run's figures
-    log = out.with_suffix(".log")
-    with tempfile.NamedTemporaryFile("w", suffix=".json", dir=out.parent, delete=False) as f:
-        json.dump(prompts, f)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    length = max(len(p) for p in prompts) + new_tokens + (spec[2] if spec else 0) + 8
-    cmd = [python, str(VLLM_RUN), target, f.name, str(out), *(map(str, spec) if spec else ()),
-           "--max-tokens", str(new_tokens), "--dtype", dtype, "--max-model-len", str(max(1024, length)), *options]
-    try:
-        with open(log, "w") as stream:
-            done = subprocess.run(cmd, env=env, stdout=stream, stderr=subprocess.STDOUT, timeout=timeout)
-    finally:
-        os.unlink(f.name)
-    if not out.is_file():
-        raise RuntimeError(f"{' '.join(cmd)} wrote no result (exit {done.returncode}): see {log}")
-    return json.loads(out.read_text())
 
 
 def compare(ours: dict, target_only: dict, spec: dict, k: int) -> dict:
@@ -185,11 +158,6 @@ def write(out: Path, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import time
-
-    from mtp_train.config import compose
-    from mtp_train.validate import held_out_prompts
-
     ap = argparse.ArgumentParser(prog="python -m mtp_train.export.engine_check",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", required=True, help="the Python of a venv with vLLM (e.g. .venv-vllm/bin/python)")

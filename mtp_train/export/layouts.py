@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-HF_MTP, EAGLE, NEXTN, VLLM_MTP = "hf-mtp", "eagle", "deepseek-nextn", "vllm-mtp"
-DEEPSEEK_EAGLE = "deepseek-eagle"  # written by format=deepseek-nextn beside it
+from mtp_train.export.config import DEEPSEEK_EAGLE, EAGLE, HF_MTP, NEXTN, VLLM_MTP
+
 VLLM_MTP_ARCH = "EagleMtpHeadForCausalLM"  # serving/vllm_plugin/mtp_train_vllm/__init__.py: ARCHITECTURE
 VLLM_MTP_FAMILIES = ("llama", "qwen2", "qwen3")  # the decoder layers the plugin builds
 MTP_PARTS = ("enorm", "hnorm", "eh_proj", "post_norm")

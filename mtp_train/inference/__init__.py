@@ -1,15 +1,12 @@
-"""The inference engine validation and `mtp-train generate` run: target runner, drafters, sampling and the
-speculative loop (DESIGN §6). It uses the model package and nothing from training."""
+"""The inference engine that validation, `mtp-train generate` and regeneration run (docs/design.md, section 6): the
+target runner, drafters, sampling, draft trees and the speculative loop, and the speed model. It uses the model
+package and nothing from training.
 
-from mtp_train.inference.cache import SlotCache
-from mtp_train.inference.drafters import Drafter, Features, HeadDrafter, LMDrafter, Proposal
-from mtp_train.inference.runner import CausalLMRunner, left_pad, load_runner
-from mtp_train.inference.sampling import (SamplingConfig, probabilities, sample, verify_greedy,
-                                          verify_sampled)
-from mtp_train.inference.speculative import DecodeStats, Generation, SpeculativeDecoder, generate
-from mtp_train.inference.tree import DraftTree, TreeConfig, TreePath, verify_tree_greedy, verify_tree_sampled
-
-__all__ = ["SlotCache", "Drafter", "Features", "HeadDrafter", "LMDrafter", "Proposal", "CausalLMRunner",
-           "left_pad", "load_runner", "SamplingConfig", "probabilities", "sample", "verify_greedy",
-           "verify_sampled", "DecodeStats", "Generation", "SpeculativeDecoder", "generate", "DraftTree", "TreeConfig",
-           "TreePath", "verify_tree_greedy", "verify_tree_sampled"]
+  config.py       sampling, tree and `generate.*` settings; the speed model's device profiles (no torch)
+  runner.py       the target (or a draft LM) with its KV cache; drafters.py: the head and a draft LM as drafters
+  cache.py        that KV cache (`SlotCache`): a batch's rows grow and are cut back by different amounts
+  sampling.py     logits to tokens, greedy and sampled verification; tree.py: draft trees and their verification
+  speculative.py  the speculative loop (`generate`); load.py: build the runner and drafter a run names
+  predict.py      the speed model: a head's speed-up predicted from costs and acceptance
+  vllm.py         vLLM as a second engine (`run_vllm`), through vllm_run.py: a script run with vLLM's own Python
+"""

@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mtp_train.inference.config import SPECULATIVE
 from mtp_train.inference.drafters import Drafter, HeadDrafter, LMDrafter
 from mtp_train.inference.runner import CausalLMRunner, load_runner
 from mtp_train.model.checkpoint import read_head, trained_head
+from mtp_train.model.target import check_draft_tokenizer
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
-
-SPECULATIVE = ("head", "draft", "none")
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -61,8 +61,6 @@ def check_drafter(cfg: RunConfig, kind: str) -> None:
 def load_draft(cfg: RunConfig, target: CausalLMRunner, tokenizer=None) -> LMDrafter:
     """The draft LM of `target.draft_path`, its tokenizer checked against the target's (`tokenizer`, when
     the caller has it loaded)."""
-    from mtp_train.model.target import check_draft_tokenizer
-
     check_drafter(cfg, "draft")
     check_draft_tokenizer(cfg.target.path, cfg.target.draft_path, tokenizer)
     return LMDrafter(load_runner(cfg.target.draft_path, cfg.target, "draft"), target.vocab_size)

@@ -46,43 +46,14 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from mtp_train.inference.tree import tree_label
+from mtp_train.inference.config import H200_EAGER, PROFILES, DeviceProfile, SamplingConfig, tree_label
+from mtp_train.inference.runner import CausalLMRunner
+from mtp_train.inference.speculative import SpeculativeDecoder
+from mtp_train.model.head import DraftHead
 
 BATCHES = (1, 4, 16, 64)
-BANDWIDTH_FRACTION = 4242 / 4800  # what the copy probe reached on an H200 (benchmarks/RESULTS.md `gpu`)
-MATMUL_FRACTION = 782 / 989  # what an 8192^3 bf16 GEMM reached there
-GRAPHS = {"fixed_ms": 0.3, "per_layer_ms": 0.03}  # assumed: an engine replaying CUDA graphs
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    name: str
-    bandwidth_gb_s: float  # achievable memory read bandwidth
-    tflops: float  # achievable dense matmul rate at the dtype served (bf16 on GPUs, fp32 on a CPU)
-    fixed_ms: float  # per forward, whatever its size
-    per_layer_ms: float  # per decoder layer and forward (kernel launches)
-    tile: int = 64  # matmul rows are padded to a multiple of this
-    source: str = ""
-
-
-def _gpu(name: str, tb_s: float, tflops: float, eager: dict | None = None) -> DeviceProfile:
-    over = eager or GRAPHS
-    return DeviceProfile(name, tb_s * 1000 * BANDWIDTH_FRACTION, tflops * MATMUL_FRACTION, over["fixed_ms"],
-                         over["per_layer_ms"], 64,
-                         f"datasheet {tb_s} TB/s, {tflops:g} TFLOP/s bf16 dense, times the fractions an H200 reached; "
-                         + ("overhead measured: our eager runner on an H200" if eager else
-                            "overhead assumed: an engine with CUDA graphs"))
-
-
-# Our runner (eager transformers) on the H200: 8B forward ~19.5 ms at b <= 16 whatever n, one layer ~2.0 ms, of
-# which weights are 3.8 and 0.35 ms: fixed + 32 x per_layer = 15.7, fixed + per_layer = 1.65.
-H200_EAGER = {"fixed_ms": 1.2, "per_layer_ms": 0.45}
-PROFILES = {p.name: p for p in (
-    _gpu("H100-SXM", 3.35, 989), _gpu("H200", 4.8, 989), _gpu("A100-80GB", 2.039, 312), _gpu("L40S", 0.864, 362),
-    DeviceProfile("H200-eager", 4.8 * 1000 * BANDWIDTH_FRACTION, 989 * MATMUL_FRACTION, H200_EAGER["fixed_ms"],
-                  H200_EAGER["per_layer_ms"], 64, "measured: our eager runner on an H200 (benchmarks/gpu_forward_time.py)"),
-)}
 
 
 def runner_profile(device: torch.device, dtype: torch.dtype) -> DeviceProfile | None:
@@ -168,8 +139,6 @@ def _matmul_params(module: nn.Module) -> tuple[int, int, int]:
 
 def target_cost(config) -> ModelCost:
     """The target's sizes, from its config (the model is built on the meta device: no weights)."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     dense, experts, n_experts = _matmul_params(model.base_model.layers)
@@ -180,8 +149,6 @@ def target_cost(config) -> ModelCost:
 
 def head_cost(target_config, head_cfg) -> ModelCost:
     """A draft head's sizes: its layer and input projection, and the output rows it drafts over."""
-    from mtp_train.model.head import DraftHead
-
     with torch.device("meta"):
         head = DraftHead(target_config, head_cfg)
     own_head = getattr(head, "lm_head", None)
@@ -278,10 +245,6 @@ def _median_ms(fn, repeats: int) -> float:
 def _overheads(dtype: torch.dtype) -> tuple[float, float]:
     """(fixed, per-layer) ms of a decode forward through our runner, from random 1- and 4-layer Llamas small
     enough that their weights cost nothing."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from mtp_train.inference.runner import CausalLMRunner
-
     times = {}
     for layers in (1, 4):
         torch.manual_seed(0)
@@ -385,9 +348,6 @@ def overhead_from_timings(timings: dict[int, list[tuple[float, int]]], target: M
 def time_steps(target, drafter, prompts: list[list[int]], k: int, steps: int) -> list[tuple[float, int]]:
     """(ms, catch-up tokens) of `steps` greedy decoding steps through the real loop (k = 0: the target alone),
     after the first one (whose catch-up runs over the whole prompt). No stop tokens: every row runs on."""
-    from mtp_train.inference.sampling import SamplingConfig
-    from mtp_train.inference.speculative import SpeculativeDecoder
-
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda *a: None)
     dec = SpeculativeDecoder(target, prompts, drafter=drafter if k else None, k=max(k, 1), sampling=SamplingConfig(),
                              max_new_tokens=(steps + 2) * (k + 1) + 1)
@@ -447,37 +407,3 @@ def validation_prediction(target_config, head_cfg, entries: list[dict], mean_con
     return out
 
 
-def format_prediction(pred: dict) -> str:
-    lines = []
-    d = pred["device"]
-    if d and pred["checks"]:
-        lines.append(f"predicted against measured on this machine ({d['name']}: {d['bandwidth_gb_s']:.0f} GB/s, "
-                     f"{d['tflops']:.2f} TFLOP/s, {d['fixed_ms']:.2f} ms + {d['per_layer_ms']:.2f} ms/layer per forward)")
-        o = pred.get("overhead")
-        if o:
-            lines.append(f"  with the engine's per-step cost beyond the forwards, measured here ({o['steps_timed']} "
-                         f"steps): target alone {o['plain_ms']:+.1f} ms, "
-                         + (", ".join(f"k={k} {m:+.1f} ms" for k, m in enumerate(o["by_k"]) if k) + ", "
-                            if o.get("by_k") else f"k=1 {o['step_ms']:+.1f} ms, ")
-                         + f"{o['per_draft_ms']:+.1f} ms per further head step"
-                         + (f"; a step takes {' / '.join(f'{m:.1f}' for m in o['measured_ms'])} ms at k = "
-                            f"{' / '.join(str(k) for k in range(len(o['measured_ms'])))}" if o.get("measured_ms") else ""))
-        for c in pred["checks"]:
-            what = tree_label(c["tree"]) if c.get("tree") else f"k={c['k']}"
-            lines.append(f"    T={c['temperature']:g} {what}: measured {c['measured']:.2f}x, predicted "
-                         f"{c['predicted']:.2f}x ({c['error']:+.0%})")
-    s = pred.get("serving")
-    if s:
-        first = s["table"][0]
-        ks = sorted(first["speedup_by_k"], key=int)
-        trees = list(first.get("speedup_by_tree", {}))
-        lines.append(f"predicted speed-up serving on {s['profile']['name']} (bf16, {s['profile']['source']}), "
-                     f"greedy τ as measured, context {pred['context']}:")
-        lines.append("  " + f"{'batch':>6}{'target tok/s':>14}" + "".join(f"{'k=' + str(k):>8}" for k in ks)
-                     + "".join(f"{t:>14}" for t in trees) + f"{'best':>14}")
-        for r in s["table"]:
-            best = r.get("best") or f"k={r['best_k']}"
-            lines.append("  " + f"{r['batch']:>6}{r['target_only_tokens_per_s']:>14,.0f}"
-                         + "".join(f"{r['speedup_by_k'][k]:>7.2f}x" for k in ks)
-                         + "".join(f"{r['speedup_by_tree'][t]:>13.2f}x" for t in trees) + f"{best:>14}")
-    return "\n".join(lines)

@@ -20,28 +20,9 @@ from p there, which is what the target alone would do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class SamplingConfig:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # keep the k most likely tokens; 0 = all
-    top_p: float = 1.0  # keep the smallest set of tokens with this much probability; 1 = all
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 keeps every token)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from mtp_train.inference.config import SamplingConfig
 
 
 def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

@@ -38,50 +38,8 @@ from typing import Callable
 
 import torch
 
+from mtp_train.inference.config import TreeConfig
 from mtp_train.inference.sampling import sample
-
-
-def tree_label(tree) -> str:
-    """A TreeConfig or its (steps, topk, num_draft_tokens) as a report writes it -> "tree 5/4/8"."""
-    if isinstance(tree, TreeConfig):
-        tree = (tree.steps, tree.topk, tree.num_draft_tokens)
-    return "tree " + "/".join(str(x) for x in tree)
-
-
-@dataclass(frozen=True)
-class TreeConfig:
-    """SGLang's settings: `steps` drafter depths, `topk` branching, `num_draft_tokens` tokens verified per
-    target forward, the pending token included (num_draft_tokens - 1 draft nodes)."""
-
-    steps: int
-    topk: int
-    num_draft_tokens: int
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "topk", "num_draft_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"tree.{name}={value!r}: expected an integer")
-        if self.steps < 1:
-            raise ValueError(f"tree.steps={self.steps}: must be >= 1 (the depth of the draft tree)")
-        if self.topk < 1:
-            raise ValueError(f"tree.topk={self.topk}: must be >= 1 (children per expanded node)")
-        if not 2 <= self.num_draft_tokens <= 1 + self.max_nodes:
-            raise ValueError(f"tree.num_draft_tokens={self.num_draft_tokens}: must be between 2 (the pending token "
-                             f"and one draft) and 1 + {self.max_nodes}, the nodes that steps={self.steps}, "
-                             f"topk={self.topk} generate (topk + (steps - 1) * topk^2)")
-
-    @property
-    def max_nodes(self) -> int:
-        """Draft nodes the expansion generates: topk at depth 1, topk * topk at each later depth."""
-        return self.topk + (self.steps - 1) * self.topk ** 2
-
-    def shallower(self, steps: int) -> "TreeConfig":
-        """The same tree at most `steps` deep (a batch whose rows are all close to their length limit)."""
-        if steps >= self.steps:
-            return self
-        nodes = self.topk + (steps - 1) * self.topk ** 2  # the node budget shrinks with the depth
-        return TreeConfig(steps, self.topk, min(self.num_draft_tokens, 1 + nodes))
 
 
 @dataclass

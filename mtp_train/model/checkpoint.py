@@ -15,8 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
 
 from mtp_train.files import sha256_file
+from mtp_train.model.config import HeadConfig
+from mtp_train.model.head import DraftHead
+from mtp_train.model.target import target_fingerprint
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
@@ -72,8 +77,6 @@ def latest(root: Path) -> Path | None:
 
 def load_head_state(path: Path) -> dict[str, torch.Tensor]:
     """The head's weights, checked against the checkpoint's sha256.json first."""
-    from safetensors.torch import load_file
-
     problems = verify(path, only=("head.safetensors",))
     if problems:
         raise ValueError(f"checkpoint {path} is damaged: {', '.join(problems)}")
@@ -97,11 +100,6 @@ def trained_head(run_dir: str | Path) -> Path:
 def read_head(cfg: RunConfig, path: Path | None = None):
     """The head of a checkpoint directory (default `run_dir/checkpoints/latest`) as a `DraftHead` in fp32 on
     the CPU, and its head.json with `checkpoint` set. Refuses a checkpoint trained for another target."""
-    from transformers import AutoConfig
-
-    from mtp_train.model.head import DraftHead, HeadConfig
-    from mtp_train.model.target import target_fingerprint
-
     path = trained_head(cfg.run_dir) if path is None else Path(path)
     if not (path / "head.safetensors").is_file() or not (path / "head.json").is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint (no head.safetensors and head.json); name a "

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from mtp_train.model.target import check_model_dir
@@ -34,8 +35,6 @@ def weight_map(path: str | Path) -> dict[str, Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {p} (the head reads the target's embedding and "
                                 "lm_head from them; convert .bin checkpoints with transformers' save_pretrained)")
-    from safetensors import safe_open
-
     out = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
@@ -45,8 +44,6 @@ def weight_map(path: str | Path) -> dict[str, Path]:
 
 def read_tensors(path: str | Path, keys: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors only; keys absent from the checkpoint are absent from the result."""
-    from safetensors import safe_open
-
     mapping = weight_map(path)
     by_file: dict[Path, list[str]] = {}
     for k in keys:

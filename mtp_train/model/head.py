@@ -1,6 +1,6 @@
 """The draft head: one implementation, used by training, validation and inference.
 
-Variant `mtp` (default; DESIGN §3), the RMSNorm-restored single decoder layer of DeepSeek-V3's MTP module
+Variant `mtp` (default; docs/design.md §3), the RMSNorm-restored single decoder layer of DeepSeek-V3's MTP module
 and transformers' `MtpLayer`:
 
     u_i = eh_proj([enorm(E[x_{i+1}]); hnorm(h_i)])     2H -> H, no bias, embedding first
@@ -27,6 +27,7 @@ trainable lm_head over the draft vocabulary:
 
 The chain feeds z (before `norm`) back as the next step's g; with `norm_output`, norm(z) (what the lm_head
 read). The layer is Llama's for every target family (what the engines build), sized from the target's config.
+Its own parts (which target layers it reads, its layer's config, the layer itself) are `model/eagle3.py`.
 
 Draft vocabulary (`head.draft_vocab = N > 0`, any variant; `eagle3` requires one): the head drafts over N target tokens only (the
 most frequent trained tokens of the training data, `train/vocab.py`), with the frozen lm_head's rows for them,
@@ -51,18 +52,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from mtp_train.model.config import HeadConfig
+from mtp_train.model.eagle3 import Eagle3Layer, aux_layer_ids, eagle3_layer_config
 from mtp_train.model.frozen import project
 
-VARIANTS = ("mtp", "eagle1", "eagle3")
-# train.depth when the recipe leaves it unset: EAGLE-3 trains with its training-time test, 7 steps deep; the others
-# train the single next-token step unless a recipe asks for more.
-DEFAULT_DEPTH = {"mtp": 1, "eagle1": 1, "eagle3": 7}
 DRAFT_VOCAB_BUFFERS = ("d2t", "t2d")  # in the head's state dict with a draft vocabulary (head.draft_vocab > 0)
 
 # model_type -> (modeling module, decoder layer, rotary embedding, RMSNorm). Named explicitly: a family is
@@ -75,79 +74,6 @@ FAMILIES = {
 }
 
 
-def override_literal(value) -> str:
-    """A config value as an override writes it (`true`, `-1`, `[2,15]`)."""
-    return json.dumps(value, separators=(",", ":"))
-
-
-# the HeadConfig fields only an eagle3 head reads; another variant refuses them set away from their defaults
-EAGLE3_ONLY = ("norm_before_residual", "norm_before_fc", "norm_output", "aux_layers", "init_fc", "num_layers")
-
-
-@dataclass
-class HeadConfig:
-    variant: str = "mtp"  # mtp | eagle1
-    fc_bias: bool = True  # eagle1's fc has a bias in the original EAGLE; mtp's eh_proj never does
-    attn_implementation: str = "sdpa"  # sdpa | eager (the head always passes an explicit mask)
-    draft_vocab: int = 0  # draft over the N most frequent trained tokens of the train split; 0 = the full vocabulary
-    # eagle3: the target layers i whose input residual (transformers' hidden_states[i]) is fused, ascending;
-    # empty = (2, L//2, L-3) for an L-layer target
-    aux_layers: list[int] = field(default_factory=list)
-    # eagle3: the residual is hidden_norm(g) instead of g (vLLM speculators' option; SpecForge and SGLang: false)
-    norm_before_residual: bool = False
-    # eagle3: one RMSNorm (`input_norm`, k·H wide) over the fused target features before fc (speculators' and
-    # vLLM's `norm_before_fc`; SpecForge and SGLang: false)
-    norm_before_fc: bool = False
-    # eagle3: the chain feeds norm(z) back as the next step's g instead of z (speculators' and vLLM's
-    # `norm_output`; SpecForge and SGLang: false); the lm_head reads norm(z) either way
-    norm_output: bool = False
-    # the head's decoder layer starts from the target's decoder layer `init_layer` (0..L-1; its attention, MLP and
-    # norms, read from the target's safetensors) instead of N(0, initializer_range); -1 = that random start. An
-    # eagle3 layer's q, k, v read 2H: the target's weights go to the feature half, the token half stays random.
-    init_layer: int = -1
-    # eagle3: fc starts as the identity on the block of target layer `init_fc` (one of the aux layers) and zero on
-    # the others, so the head's layer first reads that target residual as it is; -1 = random N(0, initializer_range)
-    init_fc: int = -1
-    # eagle3 with init_layer: the token half [:, :H] of q, k, v starts `random` (N(0, initializer_range)) or `zero`
-    # (the layer then starts as the target's layer on the features alone)
-    init_token_half: str = "random"
-    # eagle3: decoder layers in the head. 1 = EAGLE-3's single `midlayer` (every engine); n > 1 adds plain Llama
-    # decoder layers `layers.1 .. layers.{n-1}` after it (H wide, as vLLM's llama_eagle3 builds them; vLLM only).
-    # With init_layer i they start from the target's layers i+1 .. i+n-1.
-    num_layers: int = 1
-
-    def __post_init__(self) -> None:
-        if self.draft_vocab < 0:
-            raise ValueError(f"head.draft_vocab={self.draft_vocab}: must be >= 0 (0 drafts over the full vocabulary)")
-        if self.variant not in VARIANTS:
-            raise ValueError(f"head.variant={self.variant!r}: expected one of {', '.join(VARIANTS)}")
-        if self.variant == "eagle3" and not self.draft_vocab:
-            raise ValueError("head.variant=eagle3 trains its own lm_head over a draft vocabulary: set "
-                             "head.draft_vocab=N (EAGLE-3 uses 32000 for Llama 3's 128k tokens)")
-        if self.variant != "eagle3":  # every eagle3-only setting in one message, with the overrides that reset them
-            default = {f.name: f.default_factory() if f.default is MISSING else f.default for f in fields(HeadConfig)}
-            given = [(f"head.{n}={override_literal(getattr(self, n))}", f"head.{n}={override_literal(default[n])}")
-                     for n in EAGLE3_ONLY if getattr(self, n) != default[n]]
-            if given:
-                raise ValueError(f"{', '.join(g for g, _ in given)}: for head.variant=eagle3 only (this head is "
-                                 f"{self.variant}); add {' '.join(r for _, r in given)}")
-        if self.init_layer < -1:
-            raise ValueError(f"head.init_layer={self.init_layer}: expected -1 (random start) or a target layer "
-                             "index 0..L-1")
-        if self.init_fc < -1:
-            raise ValueError(f"head.init_fc={self.init_fc}: expected -1 (random start) or one of the aux layers")
-        if self.num_layers < 1:
-            raise ValueError(f"head.num_layers={self.num_layers}: expected 1 (EAGLE-3's single layer) or more")
-        if self.init_token_half not in ("random", "zero"):
-            raise ValueError(f"head.init_token_half={self.init_token_half!r}: expected random or zero")
-        if self.init_token_half == "zero" and (self.variant != "eagle3" or self.init_layer < 0):
-            raise ValueError("head.init_token_half=zero is for head.variant=eagle3 with head.init_layer=i (it zeroes "
-                             "the token half of the q, k, v that start from the target's layer i)")
-        if self.attn_implementation not in ("sdpa", "eager"):
-            raise ValueError(f"head.attn_implementation={self.attn_implementation!r}: expected sdpa or eager "
-                             "(the head's training-time attention pattern needs an explicit mask)")
-
-
 def family_classes(model_type: str) -> tuple[type, type, type]:
     if model_type not in FAMILIES:
         raise ValueError(f"target model_type {model_type!r} is not supported by the head; supported: "
@@ -155,72 +81,6 @@ def family_classes(model_type: str) -> tuple[type, type, type]:
     module, layer, rotary, norm = FAMILIES[model_type]
     mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     return getattr(mod, layer), getattr(mod, rotary), getattr(mod, norm)
-
-
-def aux_layer_ids(target_config, cfg: HeadConfig) -> list[int]:
-    """The target layers an eagle3 head reads (the residual entering each), ascending; [] for other variants."""
-    if cfg.variant != "eagle3":
-        return []
-    L = target_config.num_hidden_layers
-    ids = list(cfg.aux_layers) or [2, L // 2, L - 3]
-    if any(not 0 <= i < L for i in ids) or any(a >= b for a, b in zip(ids, ids[1:])):
-        given = "head.aux_layers=" + str(list(cfg.aux_layers)) if cfg.aux_layers else f"the default (2, L//2, L-3) = {ids}"
-        raise ValueError(f"{given}: expected ascending, distinct layer indices in 0..{L - 1} for a target of {L} "
-                         "layers; set head.aux_layers=[i,j,k] (small targets: e.g. [1,2,3])")
-    return ids
-
-
-def eagle3_layer_config(target_config, cfg: HeadConfig):
-    """The LlamaConfig of an eagle3 head's layer: the target's width, heads, KV heads, MLP width, norm epsilon
-    and rotary settings (a DeepSeek-V2 target's MLA becomes plain attention over hidden / heads)."""
-    from transformers import LlamaConfig
-
-    t = target_config
-    heads = t.num_attention_heads
-    mla = t.model_type == "deepseek_v2"
-    rope = dict(getattr(t, "rope_parameters", None) or {})
-    if mla or not rope:
-        rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))}
-    c = LlamaConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                    num_hidden_layers=cfg.num_layers, num_attention_heads=heads,
-                    num_key_value_heads=heads if mla else getattr(t, "num_key_value_heads", None) or heads,
-                    head_dim=t.hidden_size // heads if mla else getattr(t, "head_dim", None) or t.hidden_size // heads,
-                    hidden_act=getattr(t, "hidden_act", "silu"), rms_norm_eps=t.rms_norm_eps,
-                    max_position_embeddings=t.max_position_embeddings, rope_parameters=rope, attention_bias=False,
-                    mlp_bias=False, tie_word_embeddings=False, use_cache=True)
-    c._attn_implementation = cfg.attn_implementation
-    return c
-
-
-class Eagle3Layer(nn.Module):
-    """EAGLE-3's decoder layer (`midlayer`): Llama attention whose q, k, v read [input_layernorm(E x);
-    hidden_norm(g)] (2H wide), the residual from g, then post_attention_layernorm and the MLP. Returns the
-    output before any final norm."""
-
-    def __init__(self, config, norm_before_residual: bool = False):
-        super().__init__()
-        from transformers.models.llama import modeling_llama as llama
-
-        self.norm_before_residual = norm_before_residual
-
-        H, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = llama.LlamaAttention(config, layer_idx=0)
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(self.self_attn, name, nn.Linear(2 * H, getattr(self.self_attn, name).out_features, bias=False))
-        self.mlp = llama.LlamaMLP(config)
-        self.input_layernorm = llama.LlamaRMSNorm(H, eps=eps)
-        self.hidden_norm = llama.LlamaRMSNorm(H, eps=eps)
-        self.post_attention_layernorm = llama.LlamaRMSNorm(H, eps=eps)
-        params = inspect.signature(llama.LlamaAttention.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-
-    def forward(self, embeds, hidden, attention_mask, position_embeddings, cache=None) -> torch.Tensor:
-        normed = self.hidden_norm(hidden)
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        a = self.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                           **{self._cache_kw: cache})[0]
-        h = (normed if self.norm_before_residual else hidden) + a
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 def head_config_for(target_config, cfg: HeadConfig):
@@ -322,8 +182,6 @@ class DraftHead(nn.Module):
         self.cfg = cfg
         self.aux_layers = aux_layer_ids(target_config, cfg)
         if cfg.variant == "eagle3":
-            from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
-
             self.config = eagle3_layer_config(target_config, cfg)
             rotary_cls = LlamaRotaryEmbedding
         else:
@@ -341,14 +199,10 @@ class DraftHead(nn.Module):
         else:
             self.fc = nn.Linear(len(self.aux_layers) * H, H, bias=False)
             if cfg.norm_before_fc:
-                from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
                 self.input_norm = LlamaRMSNorm(len(self.aux_layers) * H, eps=eps)
         if cfg.variant == "eagle3":
             self.midlayer = Eagle3Layer(self.config, cfg.norm_before_residual)
             if cfg.num_layers > 1:  # named layers.1 .. layers.{n-1}, as the engines name them after layer 0
-                from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
                 self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(self.config, layer_idx=i)
                                              for i in range(1, cfg.num_layers)})
             self.norm = LlamaRMSNorm(H, eps=eps)

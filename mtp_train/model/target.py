@@ -5,39 +5,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mtp_train.model.cache import fetch_hint
+from mtp_train.model.config import SUPPORTED_MODEL_TYPES, TargetConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Families whose decoder layer the head reuses. Matched on `model_type` exactly, never by substring.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "deepseek_v2")
-ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager")
-
-
-@dataclass
-class TargetConfig:
-    """The frozen target (and optional draft LM) a run is built on."""
-
-    path: str = "???"  # HF directory: config.json, safetensors weights, tokenizer
-    draft_path: str | None = None  # a separate small causal LM with the same tokenizer (draft-target scheme)
-    dtype: str = "float32"  # float32 | bfloat16 | float16: fp32 on CPU, bf16 on GPUs
-    device: str = "auto"  # auto (the GPU when there is one, else the CPU) | cpu | cuda | cuda:N
-    attn_implementation: str = "sdpa"  # sdpa | flash_attention_2 | flash_attention_3 | eager
-    trust_remote_code: bool = False
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"target.dtype={self.dtype!r}; expected one of {', '.join(DTYPES)}")
-        if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"target.device={self.device!r}; expected auto, cpu, cuda or cuda:N")
-        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(f"target.attn_implementation={self.attn_implementation!r}; expected one of "
-                             f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+# the files that make a tokenizer (those present are hashed into its identity: `tokenizer_hash`)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "tokenizer.model")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -58,8 +39,6 @@ def resolve_device(name: str) -> torch.device:
 
 def check_model_dir(path: str | Path, what: str = "target") -> Path:
     """A model directory that exists and has a config.json, or an error that says which is missing."""
-    from mtp_train.model.cache import fetch_hint
-
     p = Path(path).expanduser()
     if not p.is_dir():
         raise FileNotFoundError(f"{what} directory not found: {p}{fetch_hint(p)}")
@@ -153,9 +132,17 @@ def target_fingerprint(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def load_tokenizer(path: str | Path, what: str = "target"):
-    from transformers import AutoTokenizer
+def tokenizer_hash(path: str | Path) -> str:
+    """The tokenizer's identity: a digest of the `TOKENIZER_FILES` the directory holds, names and bytes."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        f = Path(path) / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
+
+def load_tokenizer(path: str | Path, what: str = "target"):
     p = check_model_dir(path, what)
     return AutoTokenizer.from_pretrained(p)
 
@@ -163,8 +150,6 @@ def load_tokenizer(path: str | Path, what: str = "target"):
 def load_causal_lm(path: str | Path, cfg: TargetConfig, what: str = "target") -> torch.nn.Module:
     """The whole causal LM, for generation and hidden-state extraction (not for the frozen head tensors,
     which are read by key)."""
-    from transformers import AutoModelForCausalLM
-
     p = check_model_dir(path, what)
     try:
         model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype(cfg.dtype),

@@ -1,9 +1,12 @@
 """The hidden-state store: the target's final hidden states over the prepared data, computed once
 (`mtp-train precompute`) and read memory-mapped by training and validation.
 
-  format.py      shard layout, storage dtypes (fp32 / bf16 / fp16 / fp8 + per-token scale), the shard plan,
-                 the manifest and the run's identity (target, tokenizer, data); `write_split`
+  config.py      `StoreConfig` (`store.*`), no torch
+  format.py      the on-disk layout: shard files and their writers, the shard plan, the manifest; `write_split`
+  dtypes.py      the storage dtypes (fp32 / bf16 / fp16 / fp8 + per-token scale): `encode`, `decode`
+  identity.py    the run's identity a store records and is checked against (target, tokenizer, data)
   reader.py      `StoreReader`: samples by index from memory-mapped shards
   verify.py      `mtp-train verify-store`: checksums and counts, naming any bad shard
-  precompute.py  `StoreConfig` and the precompute stage (resumable, data-parallel under torchrun)
+  forward.py     the target's forward over prepared samples: the hidden states precompute and online features use
+  precompute.py  the precompute stage (resumable, data-parallel under torchrun)
 """

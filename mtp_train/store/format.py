@@ -21,7 +21,9 @@ and each shard, for its N tokens and S samples:
     offsets          [S+1]   int64          sample j is tokens offsets[j]:offsets[j+1]
 
 Which samples go into which shard is a plan computed up front from the token counts (`plan_shards`), so
-reruns and data-parallel ranks agree on it without talking to each other.
+reruns and data-parallel ranks agree on it without talking to each other. The storage dtypes and their encoding
+are `dtypes.py`; the run's identity (target, tokenizer, data) the manifest records and a store is checked
+against, `identity.py`.
 """
 
 from __future__ import annotations
@@ -35,27 +37,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mtp_train import __version__
 from mtp_train.files import sha256_file, space_for, write_json
+from mtp_train.store.dtypes import SAFETENSORS_DTYPES, STORE_DTYPES, check_dtype, encode
+from mtp_train.store.dtypes import decode  # noqa: F401  re-exported: train/features.py imports it from here
+from mtp_train.store.identity import IDENTITY_KEYS
+# re-exported: store/precompute.py and tests (conftest, windows, test_train, ...) import these from here
+from mtp_train.store.identity import (StoreMismatch, data_identity, identity_for, identity_mismatches,  # noqa: F401
+                                     target_identity, tokenizer_identity)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"  # an unfinished split's plan and per-shard records (precompute); gone once complete
-
-STORE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                                        "float16": torch.float16, "float8_e4m3": torch.float8_e4m3fn}
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: the largest e4m3 value
-# safetensors dtype names -> torch dtypes, for the tensors a shard may hold
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                                              "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "I8": torch.int8,
-                                              "I64": torch.int64}
-IDENTITY_KEYS = {"target": "fingerprint", "tokenizer": "sha256", "data": "sha256"}  # part -> the digest compared
-
-
-class StoreMismatch(ValueError):
-    """A store made from another target, tokenizer, dataset or config than the one it is used with."""
 
 
 def shard_name(index: int) -> str:
@@ -71,12 +67,7 @@ def scale_name(stream: str) -> str:
     return "scale" if stream == "hidden" else f"{stream}_scale"
 
 
-# ---------------------------------------------------------------------------------------------- dtypes
-
-
-def check_dtype(dtype: str) -> None:
-    if dtype not in STORE_DTYPES:
-        raise ValueError(f"unknown store dtype {dtype!r}; expected one of {', '.join(STORE_DTYPES)}")
+# ------------------------------------------------------------------------------------------------ plan
 
 
 def bytes_per_token(dtype: str, hidden_size: int, n_layers: int = 0) -> int:
@@ -84,28 +75,6 @@ def bytes_per_token(dtype: str, hidden_size: int, n_layers: int = 0) -> int:
     check_dtype(dtype)
     per_stream = STORE_DTYPES[dtype].itemsize * hidden_size + (4 if dtype == "float8_e4m3" else 0)
     return (1 + n_layers) * per_stream + 4 + 1
-
-
-def encode(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Hidden states [N, H] -> (data [N, H] in the storage dtype, scale [N] float32 for fp8, else None).
-    fp8 scales each token so its largest entry maps to e4m3's largest value: one scale per token keeps
-    tokens with small activations as precise as tokens with large ones."""
-    if dtype != "float8_e4m3":
-        check_dtype(dtype)
-        return x.to(STORE_DTYPES[dtype]), None
-    x = x.float()
-    amax = x.abs().amax(dim=-1)  # [N]
-    scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # > 0 even for an all-zero token
-    return (x / scale[:, None]).to(torch.float8_e4m3fn), scale
-
-
-def decode(data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """The inverse of `encode`, in float32: [N, H]."""
-    out = data.float()
-    return out if scale is None else out * scale[:, None]
-
-
-# ------------------------------------------------------------------------------------------------ plan
 
 
 def shard_tokens_for(shard_mb: float, dtype: str, hidden_size: int, n_layers: int = 0) -> int:
@@ -159,61 +128,6 @@ def plan_hash(identity: dict, settings: StoreSettings, ranges: Sequence[tuple[in
     payload = {"format_version": FORMAT_VERSION, "settings": settings.as_dict(), "ranges": [list(r) for r in ranges],
                "identity": {k: (identity.get(k) or {}).get(d) for k, d in IDENTITY_KEYS.items()}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-# -------------------------------------------------------------------------------------------- identity
-
-
-def target_identity(path: str | Path) -> dict:
-    from mtp_train.model.target import target_fingerprint
-
-    return {"path": str(Path(path).resolve()), "fingerprint": target_fingerprint(path)}
-
-
-def tokenizer_identity(path: str | Path) -> dict:
-    from mtp_train.data.prepare import TOKENIZER_FILES, tokenizer_hash
-
-    p = Path(path)
-    if not any((p / f).is_file() for f in TOKENIZER_FILES):
-        raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {p}")
-    return {"path": str(p.resolve()), "sha256": tokenizer_hash(p)}
-
-
-def data_identity(manifest_path: str | Path) -> dict:
-    p = Path(manifest_path)
-    if not p.is_file():
-        raise FileNotFoundError(f"data manifest not found: {p} (run `mtp-train prepare` first)")
-    return {"path": str(p.resolve()), "sha256": sha256_file(p)}
-
-
-def identity_for(target_path: str | Path | None = None, tokenizer_path: str | Path | None = None,
-                 data_manifest_path: str | Path | None = None) -> dict:
-    """The identity a manifest records: {"target": {path, fingerprint}, "tokenizer": {path, sha256},
-    "data": {path, sha256}}, each None when not given. The tokenizer defaults to the target's directory
-    (where the pipeline reads it from); the data part hashes `run_dir/data/manifest.json`."""
-    tokenizer_path = tokenizer_path if tokenizer_path is not None else target_path
-    return {"target": target_identity(target_path) if target_path is not None else None,
-            "tokenizer": tokenizer_identity(tokenizer_path) if tokenizer_path is not None else None,
-            "data": data_identity(data_manifest_path) if data_manifest_path is not None else None}
-
-
-def identity_mismatches(recorded: dict, current: dict, where: str | Path) -> list[str]:
-    """One sentence per part of `current` (target, tokenizer, data; None parts are not checked) that
-    differs from what the store at `where` recorded, naming both sides."""
-    problems = []
-    for part, digest in IDENTITY_KEYS.items():
-        cur = current.get(part)
-        if cur is None:
-            continue
-        rec = recorded.get(part)
-        if rec is None:
-            problems.append(f"store {where} records no {part}, so it cannot be checked against this run's {part} "
-                            f"{cur['path']} ({digest} {cur[digest][:16]})")
-        elif rec.get(digest) != cur[digest]:
-            problems.append(f"store {where} was made from {part} {rec.get('path')} ({digest} "
-                            f"{str(rec.get(digest))[:16]}), this run's {part} is {cur['path']} "
-                            f"({digest} {cur[digest][:16]})")
-    return problems
 
 
 # ------------------------------------------------------------------------------------------------- I/O
@@ -383,8 +297,6 @@ class ShardFile:
 
     def __init__(self, path: Path, input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor, *,
                  hidden_size: int, dtype: str, layers: Sequence[int], metadata: dict[str, str], reopen: bool = False):
-        import numpy as np
-
         check_dtype(dtype)
         self.path, self.tmp, self.dtype = path, path.with_name(path.name + ".tmp"), dtype
         fixed = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.int8),

@@ -1,11 +1,6 @@
 """`mtp-train precompute`: run the target once over `run_dir/data/{train,val}` and store its hidden states
-in `run_dir/store/{train,val}` (the layout is in `format.py`).
-
-The inference path: the decoder alone (`AutoModel`, so the `lm_head` is never loaded and no logits are
-computed), `inference_mode`, no KV cache, the configured attention implementation and dtype. Samples are
-batched by length (sorted within a shard) and right-padded without an attention mask: under causal
-attention a real token never sees the padding that follows it, so its states equal an unpadded forward's,
-SDPA takes its causal fast path (flash kernels on GPUs), and the padded positions are simply dropped.
+in `run_dir/store/{train,val}` (the layout is in `format.py`). The target's forward, and where it runs, is
+`forward.py`'s: the decoder alone, batched by length (sorted within a shard).
 
 Reliability. Which samples go into which shard is planned up front from the token counts. Each shard is
 written to a temporary name and renamed, then recorded in `.partial/`; a rerun skips recorded shards and
@@ -23,22 +18,28 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from tqdm.auto import tqdm
 
 from mtp_train.files import write_json
-from mtp_train.model.target import TargetArch, TargetConfig, check_model_dir, resolve_device, torch_dtype
+from mtp_train.model.config import HeadConfig, TargetConfig
+from mtp_train.model.eagle3 import aux_layer_ids
+from mtp_train.model.target import TargetArch
 from mtp_train.preempt import STOP_FILE, Preempted, StopRequests
-from mtp_train.store.format import (MANIFEST, PARTIAL, STORE_DTYPES, ShardBuffer, ShardInfo, StoreMismatch,
-                                    StoreSettings, build_manifest, clear_split, data_identity, holds_store_files,
-                                    identity_mismatches, plan_hash, plan_shards, read_manifest, shard_metadata,
-                                    shard_name, shard_tokens_for, stream_names, target_identity, tokenizer_identity)
+from mtp_train.store.config import StoreConfig
+from mtp_train.store.format import (MANIFEST, PARTIAL, ShardBuffer, ShardInfo, StoreSettings, build_manifest,
+                                    clear_split, holds_store_files, plan_hash, plan_shards, read_manifest,
+                                    shard_metadata, shard_name, shard_tokens_for, stream_names)
+from mtp_train.store.forward import HiddenStates, Ranks, load_decoder, placement, sample_states
+from mtp_train.store.identity import (StoreMismatch, data_identity, identity_mismatches, target_identity,
+                                      tokenizer_identity)
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
@@ -47,144 +48,6 @@ SPLITS = ("train", "val")
 FAIL_AFTER_ENV = "MTP_TRAIN_FAIL_AFTER_SHARDS"  # tests: raise after this many shards, to rehearse a killed run
 PAUSE_ENV = "MTP_TRAIN_PAUSE_AFTER_SHARD"  # tests: seconds to sleep after each shard, to signal a run mid-split
 BARRIER_TIMEOUT = timedelta(hours=2)  # ranks that finish first wait at a barrier for the slowest
-
-
-@dataclass
-class StoreConfig:
-    """How hidden states are stored (`store.*`)."""
-
-    dtype: str = "auto"  # auto (= target.dtype) | float32 | bfloat16 | float16 | float8_e4m3 (per-token scale)
-    layers: list[int] = field(default_factory=list)  # extra layers i: the residual entering decoder layer i (i = L:
-    #   the last layer's output before the final norm, which speculators trains on)
-    shard_mb: float = 1024.0  # shard size in MiB
-    batch_tokens: int = 4096  # padded tokens per forward batch (padded length × batch size)
-    pad_multiple: int = 64  # a sample is padded to a multiple of this and batched only with samples of the same
-    #   padded length: its states then do not depend on which samples share its batch (online training and
-    #   hybrid stores reproduce precompute's bytes)
-    max_bytes: float = 0  # train.features=hybrid: the most bytes of train shards to write (0 = no limit);
-    #   samples in shards past it are computed online in every epoch
-    gpus_per_process: int = 1  # >1: each process spreads the target over this many GPUs (device_map=auto)
-    overwrite: bool = False  # replace a store made with another target, tokenizer, data or store config
-
-    def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in STORE_DTYPES:
-            raise ValueError(f"store.dtype={self.dtype!r}; expected auto or one of {', '.join(STORE_DTYPES)}")
-        if any(i < 0 for i in self.layers) or len(set(self.layers)) != len(self.layers):
-            raise ValueError(f"store.layers={list(self.layers)}; expected distinct layer indices >= 0")
-        if not self.shard_mb > 0:
-            raise ValueError(f"store.shard_mb must be positive, got {self.shard_mb}")
-        if self.batch_tokens < 1:
-            raise ValueError(f"store.batch_tokens must be at least 1, got {self.batch_tokens}")
-        if self.pad_multiple < 1:
-            raise ValueError(f"store.pad_multiple must be at least 1, got {self.pad_multiple}")
-        if self.max_bytes < 0:
-            raise ValueError(f"store.max_bytes must be >= 0 (0: no limit), got {self.max_bytes}")
-        if self.gpus_per_process < 1:
-            raise ValueError(f"store.gpus_per_process must be at least 1, got {self.gpus_per_process}")
-
-    def storage_dtype(self, target_dtype: str) -> str:
-        """`auto` stores in the dtype the target computes in (fp32 on CPUs, bf16 on GPUs)."""
-        return target_dtype if self.dtype == "auto" else self.dtype
-
-
-# ------------------------------------------------------------------------------------------ placement
-
-
-@dataclass(frozen=True)
-class Ranks:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls) -> "Ranks":
-        """torchrun's RANK / WORLD_SIZE / LOCAL_RANK; one process otherwise."""
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                   int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def gpu_indices(local_rank: int, gpus_per_process: int, device_count: int) -> list[int]:
-    """The GPUs of one process: local rank r gets [r·g, (r+1)·g)."""
-    gpus = list(range(local_rank * gpus_per_process, (local_rank + 1) * gpus_per_process))
-    if gpus[-1] >= device_count:
-        raise ValueError(f"local rank {local_rank} with store.gpus_per_process={gpus_per_process} needs GPUs "
-                         f"{gpus[0]}..{gpus[-1]}, but this node has {device_count}: launch "
-                         f"nproc_per_node = GPUs / store.gpus_per_process")
-    return gpus
-
-
-def placement(target: TargetConfig, store: StoreConfig, ranks: Ranks) -> tuple[str, dict[int, int] | None]:
-    """(device_map, max_memory) for loading the target in this process."""
-    device = resolve_device(target.device)
-    if device.type == "cpu":
-        if store.gpus_per_process > 1:
-            raise ValueError(f"store.gpus_per_process={store.gpus_per_process} needs GPUs; the target runs on the CPU")
-        return "cpu", None
-    if target.device.startswith("cuda:"):
-        if ranks.world > 1 or store.gpus_per_process > 1:
-            raise ValueError(f"target.device={target.device} pins the target to one GPU; under torchrun or with "
-                             "store.gpus_per_process > 1 use target.device=auto")
-        return target.device, None
-    gpus = gpu_indices(ranks.local_rank, store.gpus_per_process, torch.cuda.device_count())
-    if len(gpus) == 1:
-        return f"cuda:{gpus[0]}", None
-    # only these GPUs (no CPU or disk offload), each filled to 85% of its free memory: the rest is for activations
-    return "auto", {g: int(torch.cuda.mem_get_info(g)[0] * 0.85) for g in gpus}
-
-
-def load_decoder(target: TargetConfig, device_map: str, max_memory: dict[int, int] | None) -> torch.nn.Module:
-    """The target's decoder (embeddings, layers, final norm) without its lm_head, ready for inference."""
-    from transformers import AutoModel
-    from transformers.utils import logging as hf_logging
-
-    path = check_model_dir(target.path)
-    verbosity = hf_logging.get_verbosity()
-    # the load report would call the skipped lm_head "unexpected"; missing keys are checked below instead
-    hf_logging.set_verbosity_error()
-    try:
-        model, info = AutoModel.from_pretrained(path, dtype=torch_dtype(target.dtype),
-                                                attn_implementation=target.attn_implementation,
-                                                trust_remote_code=target.trust_remote_code, device_map=device_map,
-                                                max_memory=max_memory, output_loading_info=True)
-    except OSError as e:
-        raise FileNotFoundError(f"target at {path} could not be loaded: {str(e).splitlines()[0]}") from e
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    missing = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
-    if missing:
-        raise ValueError(f"target at {path}: decoder weights missing or of the wrong shape in the checkpoint: "
-                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    offloaded = sorted(k for k, v in (getattr(model, "hf_device_map", None) or {}).items() if v in ("cpu", "disk"))
-    if device_map == "auto" and offloaded:
-        raise ValueError(f"target at {path} does not fit on this process's {len(max_memory or {})} GPUs "
-                         f"({', '.join(offloaded[:3])} would go to CPU/disk): raise store.gpus_per_process")
-    return model.eval().requires_grad_(False)
-
-
-class HiddenStates:
-    """Runs the decoder on a batch: its final hidden states (after the final norm) and the residual stream
-    entering each requested layer, caught by forward pre-hooks so no other layer's states are kept."""
-
-    def __init__(self, decoder: torch.nn.Module, layers: list[int]):
-        from mtp_train.model.target import hook_layer_inputs
-
-        self.decoder, self.layers = decoder, list(layers)
-        self._captured: dict[int, torch.Tensor] = {}
-        hook_layer_inputs(decoder, self.layers, self._captured)
-        self.device = decoder.get_input_embeddings().weight.device
-
-    @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """input_ids [B, T] -> final [B, T, H], [layer i input [B, T, H] for i in layers].
-
-        On CPUs a batch of one row is run as two (the second all padding, dropped): PyTorch's CPU kernels take
-        another path for one row, whose rounding differs from a batch's, and a sample's states must not depend
-        on how many samples share its batch (the store's bytes and online training's features must agree)."""
-        B = input_ids.shape[0]
-        if B == 1 and self.device.type == "cpu":
-            input_ids = torch.cat([input_ids, torch.zeros_like(input_ids)])
-        out = self.decoder(input_ids=input_ids.to(self.device), use_cache=False)
-        return out.last_hidden_state[:B], [self._captured.pop(i)[:B] for i in self.layers]
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -200,8 +63,7 @@ class SplitData:
 
     @classmethod
     def open(cls, path: Path, vocab_size: int) -> "SplitData":
-        import datasets
-        import pyarrow.compute as pc
+        import datasets  # 0.8 s to import: only the runs that read prepared data pay it
 
         if not path.is_dir():
             raise FileNotFoundError(f"prepared split not found: {path} (run `mtp-train prepare` first)")
@@ -223,53 +85,12 @@ class SplitData:
 
     def rows(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Samples a:b flattened: input_ids [N] int32, loss_mask [N] int8, offsets [b-a+1] int64."""
-        import pyarrow.compute as pc
-
         table = self.dataset[a:b]
         ids = pc.list_flatten(table["input_ids"]).to_numpy()
         mask = pc.list_flatten(table["loss_mask"]).to_numpy()
         offsets = np.concatenate([[0], np.cumsum(self.lengths[a:b])])
         return (torch.from_numpy(ids.astype(np.int32)), torch.from_numpy(mask.astype(np.int8)),
                 torch.from_numpy(offsets.astype(np.int64)))
-
-
-def padded_length(n: int, multiple: int) -> int:
-    """A sample of n tokens is computed padded to the next multiple of `multiple`."""
-    return -(-n // multiple) * multiple
-
-
-def length_batches(lengths: list[int], batch_tokens: int, multiple: int = 1) -> list[list[int]]:
-    """Sample indices grouped by padded length (`padded_length`), longest first, into batches of at most
-    `batch_tokens` padded tokens (one sample per batch at least): samples share a batch only with samples of
-    their padded length, so each one is computed at the same shape whatever its batch-mates; the largest batch
-    runs first, so a batch that does not fit in memory fails at once. Empty samples need no forward."""
-    padded = {j: padded_length(n, multiple) for j, n in enumerate(lengths) if n > 0}
-    order = sorted(padded, key=lambda j: (-padded[j], -lengths[j], j))
-    batches: list[list[int]] = []
-    for j in order:
-        if batches and padded[batches[-1][0]] == padded[j] and (len(batches[-1]) + 1) * padded[j] <= batch_tokens:
-            batches[-1].append(j)
-        else:
-            batches.append([j])
-    return batches
-
-
-def sample_states(hidden_states: HiddenStates, input_ids: torch.Tensor, offsets: torch.Tensor, batch_tokens: int,
-                  multiple: int):
-    """The target's states for the samples input_ids[offsets[j]:offsets[j+1]], batch by batch (`length_batches`):
-    yields (token rows [n] of the batch's samples, in the flat order of `input_ids`, [final, *layers] each
-    [n, H] on the target's device, the batch's padded tokens). precompute and online training both compute
-    through this."""
-    lengths = (offsets[1:] - offsets[:-1]).tolist()
-    for group in length_batches(lengths, batch_tokens, multiple):
-        t = padded_length(lengths[group[0]], multiple)
-        batch = torch.zeros(len(group), t, dtype=torch.long)  # [B, T] right-padded; padded positions are dropped
-        for r, j in enumerate(group):
-            batch[r, : lengths[j]] = input_ids[offsets[j] : offsets[j + 1]]
-        rows = torch.cat([torch.arange(offsets[j], offsets[j + 1]) for j in group])  # the tokens' rows
-        valid = torch.arange(t)[None, :] < torch.tensor([lengths[j] for j in group])[:, None]  # [B, T]
-        final, extra = hidden_states(batch)
-        yield rows, [x[valid.to(x.device)] for x in (final, *extra)], len(group) * t  # [n, H], as `rows`
 
 
 def fill_shard(hidden_states: HiddenStates, buf: ShardBuffer, input_ids: torch.Tensor, offsets: torch.Tensor,
@@ -387,6 +208,16 @@ def prepare_dir(job: SplitJob, state: str) -> None:
                                                **job.settings.as_dict(), "shards": len(job.ranges)})
 
 
+def prepare_dirs(jobs: list[SplitJob], states: list[str]) -> None:
+    """Rank 0, between barriers: every split's directory made to match its state (`prepare_dir`); a done one
+    only loses what a run stopped right after writing its manifest left behind."""
+    for job, state in zip(jobs, states):
+        if state == "done":
+            remove_leftovers(job.out_dir)
+        else:
+            prepare_dir(job, state)
+
+
 def run_shards(job: SplitJob, hidden_states: HiddenStates, ranks: Ranks, batch_tokens: int,
                stop_file: Path | None = None, multiple: int = 1) -> dict:
     """This rank's unfinished shards of `job` (k % world == rank), each computed, written and recorded. Between
@@ -449,11 +280,12 @@ def _barrier(ranks: Ranks) -> None:
         torch.distributed.barrier()
 
 
-def plan_jobs(cfg: "RunConfig") -> list[SplitJob]:
-    """Both splits' plans, from the config, the target's config.json and the prepared data; loads no weights."""
-    run_dir, store = Path(cfg.run_dir), cfg.store
+def plan_jobs(run_dir: Path, target: TargetConfig, store: StoreConfig, head: HeadConfig) -> list[SplitJob]:
+    """Both splits' plans for the prepared data in `run_dir/data`, from the target's config.json and the store's
+    settings (and the layers `head` reads); loads no weights."""
+    run_dir = Path(run_dir)
     data_manifest = run_dir / "data" / "manifest.json"
-    identity = {"target": target_identity(cfg.target.path), "tokenizer": tokenizer_identity(cfg.target.path),
+    identity = {"target": target_identity(target.path), "tokenizer": tokenizer_identity(target.path),
                 "data": data_identity(data_manifest)}
     made_with = json.loads(data_manifest.read_text()).get("tokenizer") or {}
     if made_with.get("sha256") != identity["tokenizer"]["sha256"]:
@@ -461,24 +293,22 @@ def plan_jobs(cfg: "RunConfig") -> list[SplitJob]:
                             f"{str(made_with.get('sha256'))[:16]}), this run's tokenizer is "
                             f"{identity['tokenizer']['path']} (sha256 {identity['tokenizer']['sha256'][:16]}): "
                             "rerun `mtp-train prepare` with this target")
-    arch = TargetArch.from_pretrained(cfg.target.path)
+    arch = TargetArch.from_pretrained(target.path)
     bad = [i for i in store.layers if i > arch.num_hidden_layers]
     if bad:
         raise ValueError(f"store.layers {bad} out of range: the target has {arch.num_hidden_layers} decoder layers "
                          f"(0..{arch.num_hidden_layers - 1}, and {arch.num_hidden_layers} for the final norm's input)")
-    layers = stored_layers(store.layers, arch, cfg.head)
-    dtype = store.storage_dtype(cfg.target.dtype)
+    layers = stored_layers(store.layers, arch, head)
+    dtype = store.storage_dtype(target.dtype)
     settings = StoreSettings(dtype, arch.hidden_size, layers,
-                             shard_tokens_for(store.shard_mb, dtype, arch.hidden_size, len(layers)), cfg.target.dtype)
+                             shard_tokens_for(store.shard_mb, dtype, arch.hidden_size, len(layers)), target.dtype)
     return [SplitJob.plan_for(name, SplitData.open(run_dir / "data" / name, arch.vocab_size),
                               run_dir / "store" / name, identity, settings) for name in SPLITS]
 
 
-def stored_layers(layers, arch, head) -> tuple[int, ...]:
+def stored_layers(layers, arch, head: HeadConfig) -> tuple[int, ...]:
     """The layers a store keeps beside the final hidden state: `store.layers`, then those the head reads (an
     eagle3 head's aux layers) that it does not name."""
-    from mtp_train.model.head import aux_layer_ids
-
     return tuple(layers) + tuple(i for i in aux_layer_ids(arch, head) if i not in layers)
 
 
@@ -500,17 +330,13 @@ def _run(cfg: "RunConfig") -> dict[str, dict]:
         torch.distributed.init_process_group("gloo" if device_map == "cpu" else "nccl", timeout=BARRIER_TIMEOUT)
     say = print if ranks.rank == 0 else (lambda *a, **k: None)
     try:
-        jobs = plan_jobs(cfg)
+        jobs = plan_jobs(Path(cfg.run_dir), cfg.target, cfg.store, cfg.head)
         if ranks.rank == 0:  # a stop request of an earlier run was honoured then
             (Path(cfg.run_dir) / STOP_FILE).unlink(missing_ok=True)
         states = [existing_state(job, cfg.store.overwrite) for job in jobs]
         _barrier(ranks)  # every rank has read the directories before rank 0 changes them
         if ranks.rank == 0:
-            for job, state in zip(jobs, states):
-                if state == "done":
-                    remove_leftovers(job.out_dir)  # from a run stopped right after writing the manifest
-                else:
-                    prepare_dir(job, state)
+            prepare_dirs(jobs, states)
         _barrier(ranks)
         todo = [job for job, state in zip(jobs, states) if state != "done"]
         for job in jobs:

@@ -12,10 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
-from mtp_train.store.format import (SAFETENSORS_DTYPES, StoreMismatch, TensorEntry, data_identity,
-                                    identity_mismatches, read_header, read_manifest, scale_name,
-                                    shard_layout_problems, stream_names, target_identity, tokenizer_identity)
+from mtp_train.store.dtypes import SAFETENSORS_DTYPES
+from mtp_train.store.format import (TensorEntry, read_header, read_manifest, scale_name, shard_layout_problems,
+                                    stream_names)
+from mtp_train.store.identity import (StoreMismatch, data_identity, identity_mismatches, target_identity,
+                                      tokenizer_identity)
 
 __all__ = ["StoreReader", "StoreMismatch"]
 
@@ -113,8 +116,6 @@ class StoreReader:
 
     def token_chunks(self):
         """(where, input_ids [N], loss_mask [N]) of each shard, read without the hidden states."""
-        from safetensors import safe_open
-
         for shard in self.manifest["shards"]:
             with safe_open(str(self.dir / shard["file"]), framework="pt") as f:
                 yield f"shard {shard['file']}", f.get_tensor("input_ids"), f.get_tensor("loss_mask")

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from mtp_train.files import fsync_path, replace_dir, sha256_file, write_atomic
 # reading a checkpoint's head (and the layout's names) lives below training: validate, generate, export and
@@ -91,8 +92,6 @@ def write(tmp: Path, step: int, head_state: dict[str, torch.Tensor], head_meta: 
           config_yaml: str, rng: dict | list | None = None) -> None:
     """The files every checkpoint has (the optimizer state is the caller's): head weights, how to rebuild
     the head, trainer state with the RNG state(s), resolved config."""
-    from safetensors.torch import save_file
-
     save_file({k: v.detach().contiguous().cpu() for k, v in head_state.items()}, str(tmp / "head.safetensors"),
               metadata={"format": "pt", "step": str(step)})
     (tmp / "head.json").write_text(json.dumps(head_meta, indent=2) + "\n")
@@ -142,8 +141,6 @@ def _decode(x, tensors: dict[str, torch.Tensor]):
 def save_state(directory: Path, name: str, state) -> None:
     """`state` (nested dicts, lists, tuples of tensors and plain values) as `name.safetensors` + `name.json`.
     Floats go through JSON exactly (shortest round-trip repr; NaN and infinities included)."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _encode(state, tensors, name, set())
     save_file(tensors, str(directory / f"{name}.safetensors"), metadata={"format": "pt"})
@@ -153,8 +150,6 @@ def save_state(directory: Path, name: str, state) -> None:
 def load_state(directory: Path, name: str):
     """What `save_state` wrote; a checkpoint of an earlier version (`name.pt`) is read with
     `torch.load(weights_only=True)` and refused, unread, when it holds anything but tensors and plain values."""
-    from safetensors.torch import load_file
-
     meta = directory / f"{name}.json"
     if meta.is_file():
         doc = json.loads(meta.read_text())

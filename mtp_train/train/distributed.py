@@ -30,7 +30,9 @@ serves all strategies.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+import pickle
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -40,12 +42,15 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from mtp_train.files import NO_SPACE, DiskFull
 from mtp_train.model.head import DraftHead, unrolled
-from mtp_train.store.precompute import Ranks  # torchrun's RANK / WORLD_SIZE / LOCAL_RANK, as precompute reads them
+from mtp_train.model.target import resolve_device
+from mtp_train.store.forward import Ranks  # torchrun's RANK / WORLD_SIZE / LOCAL_RANK, as precompute reads them
+from mtp_train.train.checkpoint import load_state, save_state
+from mtp_train.train.config import STRATEGIES, ZERO_STAGES
 
-STRATEGIES = ("auto", "single", "ddp", "deepspeed")
-ZERO_STAGES = (1, 2, 3)
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # a checkpoint save or a slow rank's evaluation, not a hang
 # DeepSpeed ZeRO communication buckets, in elements (fp32 here). DeepSpeed's default of 5e8 would hold 2 GB
 # per bucket; the largest head (~1 B parameters) needs no more than this to keep the links busy.
@@ -69,8 +74,6 @@ def resolve_strategy(strategy: str, world: int, device: torch.device) -> str:
 
 def device_for(name: str, ranks: Ranks) -> torch.device:
     """`target.device` for this process: under torchrun on GPUs, the GPU of its local rank."""
-    from mtp_train.model.target import resolve_device
-
     device = resolve_device(name)
     if device.type != "cuda":
         return device
@@ -139,8 +142,6 @@ def agree(error: BaseException | None, what: str) -> None:
     failed, and all raise together: a rank its own error, the others the first failing rank's, as the same
     kind (a full disk stays `DiskFull`). Without it a rank that failed alone leaves the others waiting at the
     next collective until the process group times out."""
-    from mtp_train.files import NO_SPACE, DiskFull
-
     if not distributed() or torch.distributed.get_world_size() == 1:
         if error is not None:
             raise error
@@ -269,15 +270,11 @@ class Engine:
     def save(self, directory: Path) -> None:
         """The optimizer state into a checkpoint directory that is being written. Every rank must call it."""
         if self.rank == 0:
-            from mtp_train.train.checkpoint import save_state
-
             save_state(directory, "optimizer", self.optimizer.state_dict())
 
     def load(self, directory: Path, head_state: Callable[[], dict[str, torch.Tensor]]) -> None:
         """Weights (`head_state()` reads them) and optimizer state from a checkpoint (the scheduler is the
         trainer's)."""
-        from mtp_train.train.checkpoint import load_state
-
         self.head.load_state_dict(head_state())
         self.optimizer.load_state_dict(load_state(directory, "optimizer"))
 
@@ -288,8 +285,6 @@ class DDPEngine(Engine):
 
     def __init__(self, head, optimizer, scheduler, settings: EngineSettings, device: torch.device):
         super().__init__(head, optimizer, scheduler, settings)
-        from torch.nn.parallel import DistributedDataParallel
-
         ids = [device.index] if device.type == "cuda" else None
         # gradients as views into DDP's buckets: no second copy of them (memory.py counts one)
         self.model = DistributedDataParallel(Unrolled(head), device_ids=ids, broadcast_buffers=False,
@@ -390,9 +385,6 @@ def check_deepspeed_files(where: Path, rank: int) -> None:
     allow-list of the three DeepSpeed classes its checkpoints hold (memory-mapped: tensors are not copied). A
     file that names any other global, as a planted pickle does to run code, is refused, unread by DeepSpeed; one
     that passes can only make DeepSpeed's own read build tensors, plain values and those three classes."""
-    import importlib
-    import pickle
-
     allowed = []
     for name in DEEPSPEED_GLOBALS:
         module, _, attr = name.rpartition(".")

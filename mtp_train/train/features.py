@@ -9,10 +9,15 @@
             later epochs read the shards. With `store.max_bytes` only the shards that fit are written (in the
             data's order) and the samples of the others stay online in every epoch
 
+The trainer makes one call, `open_splits`, for its train and val sources whatever the mode; validation
+computes the val split of an online run with `online_split`. Below them each step takes its own part of the
+config: the target's (`TargetConfig`), the store's (`StoreConfig`), the head's (the layers it reads) and the run
+directory.
+
 Every source gives the trainer the same thing: `fetch(indices)` -> samples as `StoreReader[i]` returns them
 (float32 states after the store dtype's rounding), `lengths`, `layers`, `hidden_size` and the plan digest a
 store of this data would carry (`manifest["plan_hash"]`, which checkpoints record). The target's forward is
-precompute's (`store.precompute.sample_states`: the decoder alone, inference mode, length-bucketed batches
+precompute's (`store.forward.sample_states`: the decoder alone, inference mode, length-bucketed batches
 padded to `store.pad_multiple`), so on CPU in fp32 an online run reproduces a store-then-train run bit for bit.
 
 Hybrid, in detail: each train shard within the budget is laid out on disk when the run starts (a temporary
@@ -30,14 +35,28 @@ import json
 from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import pyarrow.compute as pc
 import torch
 
-from mtp_train.files import write_json
-from mtp_train.store.format import ShardFile, decode, encode, shard_metadata, stream_names
+from mtp_train.files import DiskFull, _free_bytes, write_json
+from mtp_train.model.config import HeadConfig, TargetConfig
+from mtp_train.preempt import STOP_FILE
+from mtp_train.store.config import StoreConfig
+from mtp_train.store.dtypes import decode, encode
+from mtp_train.store.format import (MANIFEST, PARTIAL, ShardFile, build_manifest, bytes_per_token, shard_metadata,
+                                    stream_names)
+from mtp_train.store.forward import HiddenStates, Ranks, load_decoder, placement, sample_states
+from mtp_train.store.precompute import (SPLITS, SplitJob, assemble, existing_state, plan_jobs, prepare_dirs,
+                                        remove_leftovers, run_shards)
+from mtp_train.store.reader import StoreReader
+from mtp_train.train import distributed as dist
 from mtp_train.train import subnormals
 
-FEATURES = ("store", "online", "hybrid")
+if TYPE_CHECKING:
+    from mtp_train.config import RunConfig
+
 MAX_OPEN = 64  # hybrid: shard files mapped at once
 
 
@@ -61,8 +80,6 @@ class OnlineSplit:
 
     def tokens(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Samples `indices` flattened: input_ids [N], loss_mask [N], offsets [len+1]."""
-        import pyarrow.compute as pc
-
         table = self.job.data.dataset[list(indices)]  # callers never ask for no samples (fetch returns [] first)
         ids = torch.from_numpy(pc.list_flatten(table["input_ids"]).to_numpy().astype("int64"))
         mask = torch.from_numpy(pc.list_flatten(table["loss_mask"]).to_numpy().astype("int8"))
@@ -71,8 +88,6 @@ class OnlineSplit:
 
     def compute(self, indices: list[int]):
         """(input_ids [N], loss_mask [N], offsets, {stream: float32 [N, H] as stored and read back}) on the CPU."""
-        from mtp_train.store.precompute import sample_states
-
         ids, mask, offsets = self.tokens(indices)
         n = int(offsets[-1])
         states = {s: torch.empty(n, self.hidden_size) for s in stream_names(self.layers)}
@@ -123,9 +138,6 @@ class HybridSplit(OnlineSplit):
     def __init__(self, job, hidden_states, batch_tokens: int, pad_multiple: int, *, state: str, max_bytes: float,
                  rank: int, world: int, say=print):
         super().__init__(job, hidden_states, batch_tokens, pad_multiple)
-        from mtp_train.store.format import bytes_per_token
-        from mtp_train.train import distributed as dist
-
         self.rank, self.world, self.say = rank, world, say
         per_token = bytes_per_token(job.settings.dtype, job.settings.hidden_size, len(job.settings.layers))
         sizes = [job.tokens(k) * per_token for k in range(len(job.ranges))]
@@ -166,8 +178,6 @@ class HybridSplit(OnlineSplit):
 
     def _check_space(self, sizes: list[int]) -> None:
         """The shards still to lay out must fit on the file system, or the run stops before it writes any."""
-        from mtp_train.files import DiskFull, _free_bytes
-
         todo = [k for k in range(self.kept) if self.job.finished(k) is None
                 and not self.job.shard_path(k).with_name(self.job.shard_path(k).name + ".tmp").is_file()]
         needed = sum(sizes[k] for k in todo) + 2**20 * len(todo)  # each shard's header and table: under 1 MiB
@@ -179,8 +189,6 @@ class HybridSplit(OnlineSplit):
                                "online), free space, or train with train.features=online")
 
     def _record_path(self, rank: int) -> Path:
-        from mtp_train.store.format import PARTIAL
-
         return self.dir / PARTIAL / f"hybrid-rank{rank}.json"
 
     def _records(self, rank: int | None = None) -> dict[str, list[int]]:
@@ -252,9 +260,6 @@ class HybridSplit(OnlineSplit):
     def end_of_pass(self) -> None:
         """The first pass is over (every rank calls it at the same step): rank 0 computes what no rank wrote,
         finishes the shards and, when all are written, the manifest; then every rank reads them."""
-        from mtp_train.store.precompute import assemble, remove_leftovers
-        from mtp_train.train import distributed as dist
-
         if not self.first_pass:
             return
         self.checkpoint()
@@ -295,9 +300,6 @@ class HybridSplit(OnlineSplit):
 
     def _open_reader(self) -> None:
         """A reader over the finished shards 0..kept-1 (all of them: the store's own manifest)."""
-        from mtp_train.store.format import MANIFEST, build_manifest
-        from mtp_train.store.reader import StoreReader
-
         if (self.dir / MANIFEST).is_file():
             self.reader = StoreReader(self.dir)
             return
@@ -307,76 +309,78 @@ class HybridSplit(OnlineSplit):
         self.reader = StoreReader(self.dir, manifest=manifest)
 
 
-def open_splits(cfg, device: torch.device, rank: int, world: int, say=print):
-    """The train and val feature sources of `cfg.train.features` (see the module docstring)."""
-    from mtp_train.store.reader import StoreReader
-
-    mode = cfg.train.features
-    run_dir = Path(cfg.run_dir)
+def open_splits(cfg: "RunConfig", device: torch.device, rank: int, world: int, say=print):
+    """The trainer's one call: the train and val feature sources of `cfg.train.features` (module docstring)."""
+    mode, run_dir = cfg.train.features, Path(cfg.run_dir)
     if mode == "store":
-        store = run_dir / "store"
-        for split in ("train", "val"):
-            if not (store / split / "manifest.json").is_file():
-                raise FileNotFoundError(f"no hidden-state store at {store / split}: run `mtp-train precompute` "
-                                        f"with the same recipe and run_dir={run_dir} first, or train with "
-                                        "train.features=online (or hybrid)")
-        readers = StoreReader(store / "train"), StoreReader(store / "val")
-        data_manifest = run_dir / "data" / "manifest.json"
-        for reader in readers:  # another target, tokenizer or dataset: refused
-            reader.check_identity(target_path=cfg.target.path, tokenizer_path=cfg.target.path,
-                                  data_manifest=data_manifest if data_manifest.is_file() else None)
-        return readers
-    from mtp_train.store import precompute as pc
-    from mtp_train.train import distributed as dist
-
+        return stored_splits(run_dir, cfg.target)
     if not (run_dir / "data" / "manifest.json").is_file():
         raise FileNotFoundError(f"train.features={mode} reads the prepared data in {run_dir / 'data'}, which is not "
                                 f"there: run `mtp-train prepare` with the same recipe and run_dir={run_dir} first")
-    jobs = pc.plan_jobs(cfg)  # the tokenizer check, the layers the head reads, precompute's plan
-    states = [pc.existing_state(job, cfg.store.overwrite) for job in jobs] if mode == "hybrid" else None
+    jobs = plan_jobs(run_dir, cfg.target, cfg.store, cfg.head)  # the tokenizer check, the layers the head reads
+    states = [existing_state(job, cfg.store.overwrite) for job in jobs] if mode == "hybrid" else None
     dist.barrier()  # every rank has read the directories before rank 0 changes them
-    hidden_states = pc.HiddenStates(load_target(cfg, device, world), list(jobs[0].settings.layers))
-    st = cfg.store
+    hidden_states = HiddenStates(load_target(cfg.target, cfg.store, device, world, mode),
+                                 list(jobs[0].settings.layers))
     if mode == "online":
-        return tuple(OnlineSplit(job, hidden_states, st.batch_tokens, st.pad_multiple) for job in jobs)
+        return tuple(OnlineSplit(job, hidden_states, cfg.store.batch_tokens, cfg.store.pad_multiple) for job in jobs)
+    return hybrid_splits(jobs, states, hidden_states, cfg.store, run_dir, rank, world, say)
+
+
+def stored_splits(run_dir: Path, target: TargetConfig) -> tuple[StoreReader, StoreReader]:
+    """train.features=store: readers of the run's store, refused when it was made from another target,
+    tokenizer or prepared data."""
+    store = run_dir / "store"
+    for split in SPLITS:
+        if not (store / split / MANIFEST).is_file():
+            raise FileNotFoundError(f"no hidden-state store at {store / split}: run `mtp-train precompute` "
+                                    f"with the same recipe and run_dir={run_dir} first, or train with "
+                                    "train.features=online (or hybrid)")
+    readers = StoreReader(store / "train"), StoreReader(store / "val")
+    data_manifest = run_dir / "data" / "manifest.json"
+    for reader in readers:  # another target, tokenizer or dataset: refused
+        reader.check_identity(target_path=target.path, tokenizer_path=target.path,
+                              data_manifest=data_manifest if data_manifest.is_file() else None)
+    return readers
+
+
+def hybrid_splits(jobs: list[SplitJob], states: list[str], hidden_states: HiddenStates, store: StoreConfig,
+                  run_dir: Path, rank: int, world: int, say=print) -> tuple[HybridSplit, StoreReader]:
+    """train.features=hybrid: rank 0 prepares both splits' directories (`states`: `existing_state` of each) and
+    precomputes the val split (it is small); then every rank opens the train split, which writes its shards in the
+    first pass."""
     train_job, val_job = jobs
     if rank == 0:
-        for job, state in zip(jobs, states):
-            if state == "done":
-                pc.remove_leftovers(job.out_dir)
-            else:
-                pc.prepare_dir(job, state)
-        if states[1] != "done":  # the val split, precomputed before training (it is small)
-            pc.run_shards(val_job, hidden_states, pc.Ranks(), st.batch_tokens, run_dir / pc.STOP_FILE,
-                          st.pad_multiple)
-            pc.assemble(val_job, {"written_by": "train.features=hybrid", "world_size": 1})
+        prepare_dirs(jobs, states)
+        if states[1] != "done":
+            run_shards(val_job, hidden_states, Ranks(), store.batch_tokens, run_dir / STOP_FILE, store.pad_multiple)
+            assemble(val_job, {"written_by": "train.features=hybrid", "world_size": 1})
     dist.barrier()
-    train = HybridSplit(train_job, hidden_states, st.batch_tokens, st.pad_multiple, state=states[0],
-                        max_bytes=st.max_bytes, rank=rank, world=world, say=say)
+    train = HybridSplit(train_job, hidden_states, store.batch_tokens, store.pad_multiple, state=states[0],
+                        max_bytes=store.max_bytes, rank=rank, world=world, say=say)
     return train, StoreReader(val_job.out_dir)
 
 
-def online_split(cfg, name: str, device: torch.device) -> OnlineSplit:
-    """Split `name` (train | val) of the run's prepared data with its states computed online (validate's
-    teacher-forced metrics of a run trained with train.features=online)."""
-    from mtp_train.store import precompute as pc
+def online_split(run_dir: Path, target: TargetConfig, store: StoreConfig, head: HeadConfig, name: str,
+                 device: torch.device) -> OnlineSplit:
+    """Split `name` (train | val) of the prepared data in `run_dir/data` with its states computed online by the
+    target (validate's teacher-forced metrics of a run trained with train.features=online); `head` names the
+    layers it reads."""
+    job = next(j for j in plan_jobs(Path(run_dir), target, store, head) if j.name == name)
+    hidden_states = HiddenStates(load_target(target, store, device, 1, "online"), list(job.settings.layers))
+    return OnlineSplit(job, hidden_states, store.batch_tokens, store.pad_multiple)
 
-    job = next(j for j in pc.plan_jobs(cfg) if j.name == name)
-    hidden_states = pc.HiddenStates(load_target(cfg, device, 1), list(job.settings.layers))
-    return OnlineSplit(job, hidden_states, cfg.store.batch_tokens, cfg.store.pad_multiple)
 
-
-def load_target(cfg, device: torch.device, world: int) -> torch.nn.Module:
-    """The frozen target's decoder for online features: on the trainer's device, or with
-    `store.gpus_per_process` > 1 spread over that many GPUs (one process only)."""
-    from mtp_train.store import precompute as pc
-
-    if cfg.store.gpus_per_process > 1:
+def load_target(target: TargetConfig, store: StoreConfig, device: torch.device, world: int,
+                features: str) -> torch.nn.Module:
+    """The frozen target's decoder for online features (`features`: train.features, for the error message): on
+    the trainer's device, or with `store.gpus_per_process` > 1 spread over that many GPUs (one process only)."""
+    if store.gpus_per_process > 1:
         if world > 1:
-            raise ValueError(f"train.features={cfg.train.features} with store.gpus_per_process="
-                             f"{cfg.store.gpus_per_process} runs one process only (its target spread over its GPUs); "
+            raise ValueError(f"train.features={features} with store.gpus_per_process="
+                             f"{store.gpus_per_process} runs one process only (its target spread over its GPUs); "
                              "under torchrun every rank holds a whole target: set store.gpus_per_process=1, or "
                              "precompute the store and train with train.features=store")
-        device_map, max_memory = pc.placement(cfg.target, cfg.store, pc.Ranks())
-        return pc.load_decoder(cfg.target, device_map, max_memory)
-    return pc.load_decoder(cfg.target, str(device), None)
+        device_map, max_memory = placement(target, store, Ranks())
+        return load_decoder(target, device_map, max_memory)
+    return load_decoder(target, str(device), None)

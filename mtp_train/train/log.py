@@ -7,9 +7,11 @@ needs the network; `wandb sync run_dir/wandb/offline-run-*` uploads it later.
 from __future__ import annotations
 
 import json
+import netrc
 import os
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 
 class MetricsLogger:
@@ -58,9 +60,6 @@ class MetricsLogger:
 def _netrc_has_wandb() -> bool:
     """`wandb login` stores its key in ~/.netrc under api.wandb.ai (or WANDB_BASE_URL's host); a netrc
     holding only other machines' logins is not a key."""
-    import netrc
-    from urllib.parse import urlparse
-
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
     try:
         return netrc.netrc(os.environ.get("NETRC") or None).authenticators(host) is not None

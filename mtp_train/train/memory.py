@@ -42,6 +42,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AutoConfig, AutoModel
+
+from mtp_train.model.eagle3 import aux_layer_ids
+from mtp_train.model.head import DraftHead
+from mtp_train.model.target import TargetArch, torch_dtype
+from mtp_train.train.distributed import ZERO_BUCKET
+
+if TYPE_CHECKING:
+    from mtp_train.config import RunConfig
 
 GIB = 1 << 30
 H100_80GB = 79 * GIB  # what torch reports as total on an 80 GB H100 (81,559 MiB), rounded down
@@ -53,8 +65,6 @@ def load_target_config(target):
     """A transformers config from a model directory or a config.json path (no weights read); configs pass."""
     if not isinstance(target, (str, Path)):
         return target
-    from transformers import AutoConfig
-
     path = Path(target)
     if path.is_file():
         path = path.parent
@@ -66,10 +76,6 @@ def load_target_config(target):
 
 def meta_head(target_config, head_cfg=None):
     """The draft head built on the meta device: exact shapes and parameter count, no memory."""
-    import torch
-
-    from mtp_train.model.head import DraftHead
-
     with torch.device("meta"):
         return DraftHead(load_target_config(target_config), head_cfg)
 
@@ -147,9 +153,6 @@ class MemoryEstimate:
 def online_target_bytes(config, dtype_bytes: int, batch_tokens: int, streams: int) -> int:
     """The frozen target of online training: weights + one inference forward of `batch_tokens` tokens keeping
     `streams` [tokens, H] states (the final one and the aux layers)."""
-    import torch
-    from transformers import AutoModel
-
     with torch.device("meta"):
         model = AutoModel.from_config(config)
     params = sum(p.numel() for p in model.parameters())
@@ -165,8 +168,6 @@ def estimate_memory(target_config, train, seq_len: int, world: int, strategy: st
     or a config.json) with `train` (a TrainConfig), samples of `seq_len` tokens, `world` processes and a
     resolved strategy (single | ddp | deepspeed; ZeRO stage from train.zero_stage). `online_target`: the
     bytes of the target an online run holds (`online_target_bytes`)."""
-    from mtp_train.train.distributed import ZERO_BUCKET
-
     config = load_target_config(target_config)
     head = meta_head(config, head_cfg)
     P = sum(p.numel() for p in head.parameters())
@@ -213,60 +214,17 @@ def estimate_memory(target_config, train, seq_len: int, world: int, strategy: st
                           online_target)
 
 
-def online_bytes(cfg) -> int:
+def online_bytes(cfg: "RunConfig") -> int:
     """`online_target_bytes` of a run config: 0 unless train.features is online or hybrid."""
     if cfg.train.features == "store":
         return 0
-    from mtp_train.model.head import aux_layer_ids
-    from mtp_train.model.target import TargetArch, torch_dtype
-
     config = load_target_config(cfg.target.path)
     streams = 1 + len(set(cfg.store.layers) | set(aux_layer_ids(TargetArch.from_pretrained(cfg.target.path), cfg.head)))
     dtype_bytes = torch_dtype(cfg.target.dtype).itemsize
     return online_target_bytes(config, dtype_bytes, cfg.store.batch_tokens, streams)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m mtp_train.train.memory recipe=NAME target.path=DIR [key=value ...] [--world N] [--gpu-gib G]`:
-    the estimate for a recipe before launching it (reads only the target's config.json). --world is the
-    number of processes (default 8), --gpu-gib the memory of one GPU (default an 80 GB H100)."""
-    import sys
+if __name__ == "__main__":  # the command composes a run config, which this module does not import: memory_check.py
+    import runpy
 
-    from mtp_train.config import ConfigError, compose
-    from mtp_train.train.distributed import resolve_strategy
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    world, gpu = 8, H100_80GB
-    try:
-        for flag in ("--world", "--gpu-gib"):
-            if flag in args:
-                k = args.index(flag)
-                value = args[k + 1]
-                del args[k:k + 2]
-                world, gpu = (int(value), gpu) if flag == "--world" else (world, int(float(value) * GIB))
-    except (IndexError, ValueError):
-        print(main.__doc__, file=sys.stderr)
-        return 2
-    recipe = next((a.split("=", 1)[1] for a in args if a.startswith("recipe=")), "tiny")
-    try:
-        cfg = compose(recipe, [*args, "run_dir=unused"] if not any(a.startswith("run_dir=") for a in args) else args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    import torch
-
-    strategy = resolve_strategy(cfg.train.strategy, world, torch.device("cuda"))
-    est = estimate_memory(cfg.target.path, cfg.train, cfg.data.max_length, world, strategy, cfg.head,
-                          online_target=online_bytes(cfg))
-    what = f"{strategy}{f' ZeRO-{cfg.train.zero_stage}' if strategy == 'deepspeed' else ''} x {world}, " \
-           f"samples of {cfg.data.max_length} tokens"
-    print(f"{recipe}: " + est.format(gpu, what))
-    if not est.fits(gpu):
-        print("does not fit: lower train.micro_batch, data.max_length or train.depth, or set "
-              "train.activation_checkpointing=true", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    runpy.run_module("mtp_train.train.memory_check", run_name="__main__")

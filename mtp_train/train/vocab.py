@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from mtp_train.files import write_json
+
 DRAFT_VOCAB_JSON = "draft_vocab.json"
 
 
@@ -86,8 +88,6 @@ def choose_draft_vocab(reader, n: int, vocab_size: int) -> DraftVocab:
 
 def write_record(run_dir: str | Path, vocab: DraftVocab) -> Path:
     """run_dir/draft_vocab.json: N, coverage, what was counted and the ids, for people."""
-    from mtp_train.files import write_json
-
     path = Path(run_dir) / DRAFT_VOCAB_JSON
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, vocab.as_dict())

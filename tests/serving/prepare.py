@@ -47,8 +47,7 @@ REGEN = ["data.sources.0.limit=2", "data.sources.1.limit=48", "data.sources.2.li
 NEW_TOKENS = 48
 SAMPLED_AT = 1.0  # the vllm-mtp cases also run sampled, at this temperature, in both engines
 PROMPTS = 8
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import PLAIN_HEAD  # noqa: E402  (the recipe's eagle3 options reset: these cases train mtp and eagle1)
+from mtp_train.config import PLAIN_HEAD  # noqa: E402  (the recipe's eagle3 options reset: these cases train mtp and eagle1)
 
 SMOL = [*PLAIN_HEAD, "head.draft_vocab=0", "data.regenerate=false", "data.sources.0.limit=64",
         "data.sources.1.limit=4", "data.sources.2.limit=8", "train.depth=1", "train.warmup_steps=5"]
@@ -170,9 +169,10 @@ def main() -> None:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     from mtp_train.config import compose
-    from mtp_train.export.engine_check import METHODS, ours
+    from mtp_train.export.engine_check import ours
+    from mtp_train.inference.vllm import METHODS
     from mtp_train.model.cache import models_dir
-    from mtp_train.validate import held_out_prompts
+    from mtp_train.data.held_out import held_out_prompts
 
     def case(name: str, cfg, run_dir: Path, export_dir: Path, method: str, k: int, prompts) -> dict:
         key = (str(run_dir), k)

@@ -3,7 +3,7 @@ output token for token its own target-only output, and drafts what our validatio
 
 Reads only files that `tests/serving/prepare.py` wrote with mtp_train's venv (MTP_SERVING_DIR/manifest.json and
 the export directories): no mtp_train import here, as for a user who serves our files. Each vLLM run is a
-subprocess (`mtp_train/export/vllm_run.py`, run as a file): vLLM starts its engine in spawned processes and keeps global
+subprocess (`mtp_train/inference/vllm_run.py`, run as a file): vLLM starts its engine in spawned processes and keeps global
 state, so one LLM per process. Writes MTP_SERVING_DIR/results.json (the figures for RESULTS.md)."""
 
 import json
@@ -21,7 +21,7 @@ if not (DIR / "manifest.json").is_file():
                 allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_RUN = ROOT / "mtp_train" / "export" / "vllm_run.py"  # a file run with this venv's Python: no mtp_train import
+VLLM_RUN = ROOT / "mtp_train" / "inference" / "vllm_run.py"  # a file run with this venv's Python: no mtp_train import
 MANIFEST = json.loads((DIR / "manifest.json").read_text())
 TOLERANCE = 0.03  # per-position acceptance, absolute: the same greedy math in both engines
 CASES = {c["case"]: c for c in MANIFEST["cases"]}

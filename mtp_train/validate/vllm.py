@@ -7,7 +7,7 @@ heads on Llama / Qwen targets, `deepseek-eagle` for them on DeepSeek targets, `e
 `eagle3` for `eagle3`) under
 `run_dir/validation/export`; vLLM decodes the prompts with the target alone, then at each k = 1..max_k with the
 head, then the target alone again (the rounds either side of the speeds), every temperature in the same vLLM
-start (`vllm_run.py --temperatures`), `validate.batch_size` requests at a time (`max_num_seqs`). From vLLM's
+start (`inference/vllm_run.py --temperatures`), `validate.batch_size` requests at a time (`max_num_seqs`). From vLLM's
 spec-decode counters: τ = 1 + accepted drafts / verification steps, acceptance by position; greedy identity
 against vLLM's own target-only output; tokens/s and the speed-up over the target-only rounds. Sampled rows use
 `draft_sample_method: probabilistic` (drafts sampled from the head, kept with min(1, p/q), as our engine does).
@@ -19,6 +19,7 @@ above τ, target-only rounds spreading more than 15%) but not timed again (that 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,7 +27,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mtp_train.export.engine_check import METHODS, run_vllm
+from mtp_train.export.formats import export_head
+from mtp_train.inference.speculative import DecodeStats
+from mtp_train.inference.vllm import METHODS, run_vllm
+from mtp_train.validate.config import ValidateConfig
+from mtp_train.validate.decoding import decoding_row, decoding_settings, outlier, speeds, target_only_summary
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
@@ -66,17 +71,14 @@ def layout_for(variant: str, model_type: str) -> tuple[str, str]:
 def export_for_vllm(cfg: "RunConfig", variant: str, model_type: str) -> tuple[Path, str]:
     """The head exported under run_dir/validation/export in the layout vLLM reads -> (its directory, vLLM's
     method for it). Written again only when the head, target or exporter changed."""
-    from mtp_train import export
-
     fmt, name = layout_for(variant, model_type)
     root = Path(cfg.run_dir) / "validation" / "export"
-    export.run(replace(cfg, export=replace(cfg.export, format=fmt, overwrite=True, checkpoint=None)), root=root)
+    export_head(replace(cfg, export=replace(cfg.export, format=fmt, overwrite=True, checkpoint=None)), root)
     return root / name, METHODS[name]
 
 
-def _options(cfg: "RunConfig", temperatures: list[float], sampled: bool) -> tuple[str, ...]:
-    v = cfg.validate
-    return ("--temperatures", *map(str, temperatures), "--seed", str(cfg.seed), "--max-num-seqs",
+def _options(v: ValidateConfig, seed: int, temperatures: list[float], sampled: bool) -> tuple[str, ...]:
+    return ("--temperatures", *map(str, temperatures), "--seed", str(seed), "--max-num-seqs",
             str(v.batch_size), "--tensor-parallel-size", str(v.tensor_parallel_size),
             *(("--draft-sample-method", "probabilistic") if sampled else ()), *v.vllm_args)
 
@@ -91,9 +93,6 @@ def _checked(result: dict, what: str, out: Path) -> dict:
 def decode_set(cfg: "RunConfig", name: str, prompts: list[list[int]], export_dir: Path, method: str,
                python: str, say=print) -> tuple[list[dict], list[dict], dict]:
     """One prompt set through vLLM -> (chain entries per k and temperature, target-only baselines, settings)."""
-    from mtp_train.inference import DecodeStats
-    from mtp_train.validate import _speeds, decoding_row, outlier, target_only_summary
-
     v = cfg.validate
     temps = list(v.temperatures)
     work = Path(cfg.run_dir) / "validation" / "vllm" / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
@@ -102,7 +101,7 @@ def decode_set(cfg: "RunConfig", name: str, prompts: list[list[int]], export_dir
     def run(out: Path, spec: tuple | None = None) -> dict:
         try:
             result = run_vllm(python, cfg.target.path, prompts, out, v.max_new_tokens, dtype, spec,
-                              _options(cfg, temps, spec is not None and any(t > 0 for t in temps)))
+                              _options(v, cfg.seed, temps, spec is not None and any(t > 0 for t in temps)))
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # no result at all: it died or hung
             raise VllmFailed(f"validate.engine=vllm: {e}") from None
         return _checked(result, out.stem, out)
@@ -125,7 +124,7 @@ def decode_set(cfg: "RunConfig", name: str, prompts: list[list[int]], export_dir
             s = DecodeStats(k, steps, [steps] * k, accepted, steps + sum(accepted), sum(map(len, r["tokens"])),
                             r["seconds"], steps * k)
             e = {**decoding_row("head", k, t, s, r["tokens"], before[t]["tokens"]), "engine": "vllm"}
-            _speeds(e, tps(r), tps(before[t]), tps(after[t]))
+            speeds(e, tps(r), tps(before[t]), tps(after[t]))
             e["predicted_speedup"], e["retimed"], e["earlier_timings"] = None, 0, []
             reason = outlier(e, None)
             e["suspect"] = reason is not None
@@ -140,3 +139,27 @@ def decode_set(cfg: "RunConfig", name: str, prompts: list[list[int]], export_dir
                 "draft_sample_method": "probabilistic" if any(t > 0 for t in temps) else None,
                 "device": f"vLLM ({first.get('device', '?')})", "work_dir": str(work)}
     return entries, baselines, settings
+
+
+def python_for(v: ValidateConfig, drafters: list[str]) -> str:
+    """vLLM's Python, found before any weights are loaded; what vLLM does not decode is said."""
+    python = vllm_python(v.vllm_python)
+    skipped = [what for what, on in (("draft trees (validate.trees)", v.trees), ("the draft LM", "draft" in drafters))
+               if on]
+    if skipped:
+        print(f"validate: engine=vllm decodes the head's chains only; not decoded: {', '.join(skipped)}")
+    return python
+
+
+def decode_sets(cfg: "RunConfig", variant: str, sets: list, python: str) -> list[dict]:
+    """The head's export served by vLLM on every prompt set: one report section each."""
+    target_config = json.loads((Path(cfg.target.path) / "config.json").read_text())
+    export_dir, method = export_for_vllm(cfg, variant, target_config.get("model_type"))
+    sections = []
+    for spec, set_prompts, _, source in sets:
+        print(f"validate: prompt set {spec}: {source}")
+        entries, baselines, engine = decode_set(cfg, spec, set_prompts, export_dir, method, python)
+        settings = {**decoding_settings(cfg.validate, cfg.target.dtype, source, set_prompts), **engine}
+        sections.append({"name": spec, "decoding": entries, "tree_decoding": [], "target_only": baselines,
+                         "decoding_settings": settings})
+    return sections
