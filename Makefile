@@ -60,7 +60,7 @@ test-serving: $(STAMP) $(PLUGIN_STAMP)
 	$(BIN)/python tests/serving/prepare.py $(SERVING_DIR)
 	MTP_SERVING_DIR=$(abspath $(SERVING_DIR)) $(VLLM_VENV)/bin/python -m pytest -q --noconftest -p no:cacheprovider tests/serving
 
-# The peers' EAGLE-3 trainers (benchmarks/peers, README "Side by side with the peers"): speculators 0.9.0 and
+# The peers' EAGLE-3 trainers (benchmarks/peers, docs/peers.md): speculators 0.9.0 and
 # SpecForge 0.2.0 from PyPI, each in its own venv with the pinned CPU torch installed first. Both pin what does not
 # install or run here (speculators: torchvision/torchaudio; SpecForge: sglang, torch 2.11, CUDA kernels), so each
 # is installed with --no-deps beside what its offline training imports. Step 1 (our venv) writes the tiny-eagle3
