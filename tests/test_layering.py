@@ -192,3 +192,12 @@ def test_the_checks_catch_a_cycle_and_a_later_stage(tmp_path):
                                 "mtp_train.store.a (stage store) imports mtp_train.train.b (the later stage train)",
                                 "mtp_train.store.d (stage store) imports mtp_train.train (the later stage train)",
                                 "mtp_train.store.d (stage store) imports mtp_train.train.c (the later stage train)"]
+
+
+def test_no_module_beside_a_script_shadows_what_the_script_imports():
+    """`inference/vllm_run.py` runs as a file with vLLM's Python, so its own folder comes first on its path: a module
+    there named like a package it imports (a `vllm.py`) would be imported instead of vLLM."""
+    script = PACKAGE / "inference" / "vllm_run.py"
+    beside = {p.stem for p in script.parent.glob("*.py")} | {p.name for p in script.parent.iterdir() if p.is_dir()}
+    imported = {name.split(".")[0] for name in imports(script)}
+    assert "vllm" in imported and imported & beside == set()

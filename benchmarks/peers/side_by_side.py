@@ -238,7 +238,7 @@ def run(cmd: list[str], log: Path) -> None:
 def judge(args, heads: dict, cfg, work: Path) -> dict:
     """vLLM on each head at each k, beside its target-only output; our engine on our exports."""
     from mtp_train.export.engine_check import compare, ours as ours_engine
-    from mtp_train.inference.vllm import run_vllm
+    from mtp_train.inference.vllm_engine import run_vllm
     from mtp_train.data.held_out import held_out_prompts
 
     python = str(ROOT / ".venv-vllm" / "bin" / "python")

@@ -32,7 +32,7 @@ from mtp_train.inference.drafters import HeadDrafter
 from mtp_train.inference.load import stop_tokens
 from mtp_train.inference.runner import load_runner
 from mtp_train.inference.speculative import generate
-from mtp_train.inference.vllm import METHODS, run_vllm
+from mtp_train.inference.vllm_engine import METHODS, run_vllm
 from mtp_train.model.checkpoint import read_head
 from mtp_train.model.target import load_tokenizer
 

@@ -8,5 +8,5 @@ package and nothing from training.
   sampling.py     logits to tokens, greedy and sampled verification; tree.py: draft trees and their verification
   speculative.py  the speculative loop (`generate`); load.py: build the runner and drafter a run names
   predict.py      the speed model: a head's speed-up predicted from costs and acceptance
-  vllm.py         vLLM as a second engine (`run_vllm`), through vllm_run.py: a script run with vLLM's own Python
+  vllm_engine.py  vLLM as a second engine (`run_vllm`), through vllm_run.py: a script run with vLLM's own Python
 """

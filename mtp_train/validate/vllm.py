@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from mtp_train.export.formats import export_head
 from mtp_train.inference.speculative import DecodeStats
-from mtp_train.inference.vllm import METHODS, run_vllm
+from mtp_train.inference.vllm_engine import METHODS, run_vllm
 from mtp_train.validate.config import ValidateConfig
 from mtp_train.validate.decoding import decoding_row, decoding_settings, outlier, speeds, target_only_summary
 

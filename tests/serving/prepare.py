@@ -170,7 +170,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     from mtp_train.config import compose
     from mtp_train.export.engine_check import ours
-    from mtp_train.inference.vllm import METHODS
+    from mtp_train.inference.vllm_engine import METHODS
     from mtp_train.model.cache import models_dir
     from mtp_train.data.held_out import held_out_prompts
 

@@ -1,6 +1,7 @@
 """vLLM as a second engine: `vllm_run.py` (a script that imports nothing of ours) run with the Python of a venv that
 has vLLM, on token-id prompts, the target alone or with a draft directory vLLM serves. The export's engine check and
-validation with `validate.engine=vllm` both decode through `run_vllm`.
+validation with `validate.engine=vllm` both decode through `run_vllm`. (Not named vllm.py: `vllm_run.py` runs as a
+file, so its folder comes first on its path and would shadow vLLM itself.)
 """
 
 from __future__ import annotations
