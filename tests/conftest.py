@@ -66,8 +66,9 @@ def trained_run(tmp_path_factory, tiny_dir):
     identity = identity_for(target)
     write_split(run_dir / "store" / "train", train, identity=identity)
     write_split(run_dir / "store" / "val", val, identity=identity)
-    datasets.Dataset.from_dict({"input_ids": [s["input_ids"].tolist() for s in val],
-                                "loss_mask": [s["loss_mask"].tolist() for s in val]}).save_to_disk(run_dir / "data" / "val")
+    for name, split in (("train", train), ("val", val)):  # as prepare writes them (validation checks against train)
+        datasets.Dataset.from_dict({"input_ids": [s["input_ids"].tolist() for s in split],
+                                    "loss_mask": [s["loss_mask"].tolist() for s in split]}).save_to_disk(run_dir / "data" / name)
     Trainer(run_config(run_dir)).fit()
     return run_dir
 

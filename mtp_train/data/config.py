@@ -6,17 +6,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-FORMATS = ("auto", "sharegpt", "openai", "text", "hf_disk", "stdlib", "stdlib_chat")  # a source's format
-PROMPT_SETS = ("recipe", "mt-bench")  # built-in held-out prompt sets (prompt_sets.py); validate.prompts names them
+# a source's format
+FORMATS = ("auto", "sharegpt", "openai", "text", "hf_disk", "stdlib", "stdlib_chat", "target_prompts",
+           "sharegpt_v3")
+# built-in held-out prompt sets (prompt_sets.py), by role: anything may be chosen on a dev set (validate.prompts,
+# `mtp-train validate`); a test set is only reported (validate.test_prompts, `mtp-train test`)
+DEV_SETS = ("recipe", "mt-bench", "sharegpt-dev")
+TEST_SETS = ("mt-bench-test", "sharegpt-test", "functions-test")
+PROMPT_SETS = DEV_SETS + TEST_SETS
+REGEN_ENGINES = ("auto", "ours", "vllm")  # data.regen_engine
+REGEN_DTYPES = ("auto", "float32", "bfloat16")  # data.regen_dtype
 
 
 @dataclass
 class SourceConfig:
     path: str = "???"  # a file or directory; for stdlib / stdlib_chat, a corpus split (head-train, validation)
-    format: str = "auto"  # auto | sharegpt | openai | text | hf_disk | stdlib | stdlib_chat
+    # (target_prompts: any name; the target writes `limit` user prompts itself, synthesize.py)
+    # (sharegpt_v3: path `train`, ShareGPT V3's conversations of the train role, sharegpt.py)
+    # auto | sharegpt | openai | text | hf_disk | stdlib | stdlib_chat | target_prompts | sharegpt_v3
+    format: str = "auto"
     split: str = "auto"  # train | val | auto (val_fraction of the samples, chosen by a hash of their content)
     weight: float = 1.0  # after dedup and limit: 2 repeats each sample, 0.5 keeps a deterministic half
     limit: int | None = None  # at most this many samples (a deterministic random subset)
+    turns: str = "all"  # all | first: a conversation only up to and including its first assistant reply
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -25,6 +37,9 @@ class SourceConfig:
             raise ValueError(f"data source {self.path!r}: split={self.split!r}; expected train, val or auto")
         if self.weight <= 0:
             raise ValueError(f"data source {self.path!r}: weight must be > 0, got {self.weight}")
+        if self.turns not in ("all", "first"):
+            raise ValueError(f"data source {self.path!r}: turns={self.turns!r}; expected all (every turn) or first "
+                             "(up to and including the first assistant reply)")
 
 
 @dataclass
@@ -39,7 +54,13 @@ class DataConfig:
     regenerate: bool = False  # replace assistant turns with the target's own replies (self-distillation)
     regen_temperature: float = 0.0  # 0 = greedy
     regen_max_new_tokens: int = 256
-    regen_batch_size: int = 8
+    regen_batch_size: int = 8  # our engine: rows decoded together; vLLM: its max_num_seqs
+    # ours | vllm (vLLM's CPU or GPU build run offline in its own venv, regen_engines.py) | auto: vLLM when its
+    # Python ($MTP_TRAIN_VLLM_PYTHON, else .venv-vllm) is found, imports and runs on the target's device, else ours;
+    # with regenerate_server set, neither it nor regen_dtype is read
+    regen_engine: str = "auto"
+    regen_dtype: str = "auto"  # float32 | bfloat16 | auto: bf16 on a GPU or a CPU with AMX, else fp32
+    regen_chunk: int = 256  # vLLM: prompts sent together, their replies committed to the journal together
     # an OpenAI-compatible server (vLLM, SGLang) that serves the run's target, e.g. http://127.0.0.1:8000/v1: the
     # replies come from it instead of our engine (the regen_* settings below only apply to it)
     regenerate_server: str = ""
@@ -47,6 +68,10 @@ class DataConfig:
     regen_concurrency: int = 16  # requests in flight
     regen_timeout: float = 300.0  # seconds per request
     regen_retries: int = 3  # attempts after the first, with exponential backoff (1 s, 2 s, 4 s ...)
+    # a target_prompts source: the target writes the user prompts (sampled in batches of regen_batch_size)
+    synth_temperature: float = 1.0  # sampling temperature of the prompts (> 0: greedy would write one prompt)
+    synth_max_new_tokens: int = 128  # longest prompt; one without its end-of-turn token by then is dropped
+    synth_system: str = ""  # the system prompt before the user header; "" = the chat template's default (or none)
     overwrite: bool = False  # replace an existing run_dir/data made with another config
 
     def __post_init__(self) -> None:
@@ -61,6 +86,13 @@ class DataConfig:
         if self.regenerate_server and not self.regenerate_server.startswith(("http://", "https://")):
             raise ValueError(f"data.regenerate_server={self.regenerate_server!r}: expected an http(s) URL of an "
                              "OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1")
+        if self.regen_engine not in REGEN_ENGINES or self.regen_dtype not in REGEN_DTYPES or self.regen_chunk < 1:
+            raise ValueError(f"data.regen_engine={self.regen_engine!r} (one of {', '.join(REGEN_ENGINES)}), "
+                             f"data.regen_dtype={self.regen_dtype!r} (one of {', '.join(REGEN_DTYPES)}), "
+                             f"data.regen_chunk={self.regen_chunk} (>= 1)")
         if self.regen_concurrency < 1 or self.regen_retries < 0 or self.regen_timeout <= 0:
             raise ValueError(f"data.regen_concurrency={self.regen_concurrency} (>= 1), data.regen_retries="
                              f"{self.regen_retries} (>= 0), data.regen_timeout={self.regen_timeout} (> 0)")
+        if self.synth_temperature <= 0 or self.synth_max_new_tokens < 1:
+            raise ValueError(f"data.synth_temperature={self.synth_temperature} (> 0: greedy writes one prompt over and "
+                             f"over), data.synth_max_new_tokens={self.synth_max_new_tokens} (>= 1)")

@@ -2,11 +2,11 @@
 masks, `datasets` on disk) and `run_dir/data/manifest.json`.
 
 Order of work, every step deterministic for a given config and input:
-read each source (bad records stop the run, or are counted with `on_bad_line=skip`) → deduplicate by
-content → limit (a seeded subset) → weight (repeat / subsample) → optionally regenerate assistant turns
-with the target → tokenize with the target's chat template → truncate or drop over-long samples → split
-train/val (by source, or by a hash of the content) → shuffle (seeded) → write to a temporary directory
-and rename.
+with a `target_prompts` source, have the target write its user prompts (synthesize.py) → read each source
+(bad records stop the run, or are counted with `on_bad_line=skip`) → deduplicate by content → limit (a
+seeded subset) → weight (repeat / subsample) → optionally regenerate assistant turns with the target →
+tokenize with the target's chat template → truncate or drop over-long samples → split train/val (by source,
+or by a hash of the content) → shuffle (seeded) → write to a temporary directory and rename.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import math
 import os
 import random
 import shutil
+import struct
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -28,9 +29,10 @@ from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from mtp_train import __version__
+from mtp_train.data import synthesize as synth
 from mtp_train.data.chat import BadRecord, Tokenized, tokenize_conversation, tokenize_text
 from mtp_train.data.regenerate import regenerate
-from mtp_train.data.sources import Record, check_exists, file_digests, read_source
+from mtp_train.data.sources import Record, Skipped, check_exists, file_digests, read_source
 from mtp_train.files import replace_dir, space_for, write_json
 from mtp_train.model.target import load_tokenizer, target_fingerprint, tokenizer_hash
 from mtp_train.preempt import StopRequests
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
     from mtp_train.config import RunConfig
 
 FORMAT_VERSION = 1
+# the regeneration engine's settings, left out of the config hash at these defaults and without regeneration (a
+# dataset prepared before they existed keeps its hash; what "auto" chose is in the manifest)
+REGEN_ADDED = {"regen_engine": "auto", "regen_dtype": "auto", "regen_chunk": 256}
 
 
 def config_hash(cfg: "RunConfig", sources: list) -> str:
@@ -46,9 +51,15 @@ def config_hash(cfg: "RunConfig", sources: list) -> str:
     when the target rewrites the replies, the target itself."""
     # how it is made, not what: left out; the server settings only when set (a dataset prepared before they
     # existed keeps its hash)
+    # the synth_* settings only with a target_prompts source
     how = ("overwrite", "regen_concurrency", "regen_timeout", "regen_retries")
+    synthesized = any(synth.wanted(src) for src in cfg.data.sources)
     data = {k: v for k, v in asdict(cfg.data).items()
-            if k not in how and not (k in ("regenerate_server", "regen_model") and not v)}
+            if k not in how and not (k in ("regenerate_server", "regen_model") and not v)
+            and not (k.startswith("synth_") and not synthesized)
+            and not (k in REGEN_ADDED and (v == REGEN_ADDED[k] or not cfg.data.regenerate))}
+    # a source's `turns` only when not the default (a dataset prepared before it existed keeps its hash)
+    data["sources"] = [{k: v for k, v in s.items() if not (k == "turns" and v == "all")} for s in data["sources"]]
     payload = {"data": data, "seed": cfg.seed,
                "tokenizer": tokenizer_hash(cfg.target.path), "sources": sources}
     if cfg.data.regenerate:
@@ -73,9 +84,18 @@ def _in_val(record: Record, fraction: float) -> bool:
     return int(record.key()[:8], 16) / 0x100000000 < fraction
 
 
-def collect(cfg: "RunConfig") -> tuple[list[tuple[int, Record, str]], dict]:
+def first_turn(record: Record) -> Record:
+    """A conversation up to and including its first assistant reply (a text document as it is)."""
+    if record.kind != "chat":
+        return record
+    reply = next((i for i, m in enumerate(record.messages) if m["role"] == "assistant"), len(record.messages))
+    return Record("chat", record.where, messages=record.messages[:reply + 1])
+
+
+def collect(cfg: "RunConfig", written: dict[int, list[Record]] | None = None
+            ) -> tuple[list[tuple[int, Record, str]], dict]:
     """Read, check, deduplicate and limit every source: [(source index, record, split)] and per-source
-    counts."""
+    counts (`written`: the records of the sources read from no file, by index: the target's prompts)."""
     data = cfg.data
     samples: list[tuple[int, Record, str]] = []
     seen: set[str] = set()
@@ -83,7 +103,11 @@ def collect(cfg: "RunConfig") -> tuple[list[tuple[int, Record, str]], dict]:
     for index, src in enumerate(data.sources):
         counts = Counter()
         records = []
-        for item in tqdm(read_source(src), desc=f"read {src.path}", unit=" records", leave=False):
+        items = written[index] if written and index in written else read_source(src)
+        for item in tqdm(items, desc=f"read {src.path}", unit=" records", leave=False):
+            if isinstance(item, Skipped):
+                counts[f"skipped_{item.kind}"] += 1
+                continue
             if isinstance(item, BadRecord):
                 if data.on_bad_line == "error":
                     raise ValueError(f"bad input in data.sources[{index}]: {item}; nothing was written. Fix the "
@@ -91,6 +115,8 @@ def collect(cfg: "RunConfig") -> tuple[list[tuple[int, Record, str]], dict]:
                 counts[f"bad_{item.kind}"] += 1
                 continue
             counts["records"] += 1
+            if src.turns == "first":
+                item = first_turn(item)
             if data.dedupe:
                 key = item.key()
                 if key in seen:
@@ -194,6 +220,17 @@ def split_stats(rows: list[Tokenized]) -> dict:
             "masked_tokens": sum(sum(r.loss_mask) for r in rows)}
 
 
+def token_ids_sha256(splits: dict[str, list[Tokenized]]) -> str:
+    """The sha256 of the token ids as written: train then val, each row its length (8 bytes) then its ids (4 bytes
+    each), little-endian. Two builds with the same hash hold the same tokens (vLLM's regenerated replies may vary
+    from run to run: this tells)."""
+    h = hashlib.sha256()
+    for name in ("train", "val"):
+        for r in splits.get(name, []):
+            h.update(struct.pack(f"<q{len(r.input_ids)}i", len(r.input_ids), *r.input_ids))
+    return h.hexdigest()
+
+
 def run(cfg: "RunConfig") -> dict:
     """`mtp-train prepare`. A stop request while the sources are read, the target loads or the samples are
     tokenized stops it at once; during regeneration after the batch in flight, its replies kept in the journal;
@@ -209,9 +246,11 @@ def _run(cfg: "RunConfig") -> dict:
     out_dir = Path(cfg.run_dir) / "data"
     if not data.sources:
         raise ValueError("data.sources is empty: the recipe must name at least one source")
+    synth.check_sources(data)
     for i, src in enumerate(data.sources):
-        check_exists(src, i)
-    sources = [file_digests(src) for src in data.sources]
+        if not synth.wanted(src):
+            check_exists(src, i)
+    sources = [synth.describe(src) if synth.wanted(src) else file_digests(src) for src in data.sources]
     digest = config_hash(cfg, sources)
     if (out_dir / "manifest.json").is_file():
         existing = json.loads((out_dir / "manifest.json").read_text())
@@ -225,7 +264,11 @@ def _run(cfg: "RunConfig") -> dict:
     tokenizer = load_tokenizer(cfg.target.path)
     tokenizer.model_max_length = 1 << 30  # samples are cut to data.max_length here, not by the tokenizer
     t0 = time.perf_counter()
-    samples, manifest = collect(cfg)
+    written, prompts = {}, None
+    for i, src in enumerate(data.sources):  # before reading: the prompts join the others (dedupe, limit, split)
+        if synth.wanted(src):
+            written[i], prompts = synth.synthesize(cfg, tokenizer, src)
+    samples, manifest = collect(cfg, written)
     regen = None
     if data.regenerate:  # before weighting, so a repeated conversation is generated once
         rewritten, regen = regenerate(cfg, tokenizer, [(r, s) for _, r, s in samples], sources)
@@ -249,13 +292,15 @@ def _run(cfg: "RunConfig") -> dict:
         **manifest,
         "counts": dict(counts),
         "splits": {name: split_stats(rows) for name, rows in splits.items()},
+        "token_ids_sha256": token_ids_sha256(splits),
+        "target_prompts": prompts,
         "regenerate": regen,
         "throughput": {"seconds": round(seconds, 3), "samples_per_s": round(n_samples / seconds, 1),
                        "tokens_per_s": round(n_tokens / seconds, 1)},
     }
     with StopRequests("prepare", "dataset write"):  # never cut short: a request here ends a finished run
-        journal = Path(regen["journal"]) if regen else None  # none when nothing was regenerated
-        write(out_dir, splits, manifest, keep=[journal] if journal is not None and journal.is_file() else [])
+        journals = [Path(r["journal"]) for r in (prompts, regen) if r]  # none when nothing was generated
+        write(out_dir, splits, manifest, keep=[j for j in journals if j.is_file()])
     print(format_summary(manifest, out_dir))
     return manifest
 
@@ -268,8 +313,14 @@ def format_summary(m: dict, out_dir: Path) -> str:
     for src in m["sources"]:
         c = src["counts"]
         bad = {k: v for k, v in c.items() if k.startswith("bad_")}
+        skipped = {k[len("skipped_"):]: v for k, v in c.items() if k.startswith("skipped_")}
         lines.append(f"  source {src['path']} ({src['format']}, {src['split']}): {c.get('records', 0)} records, "
-                     f"{c.get('duplicates', 0)} duplicates, {c.get('kept', 0)} kept" + (f", bad {bad}" if bad else ""))
+                     f"{c.get('duplicates', 0)} duplicates, {c.get('kept', 0)} kept" + (f", bad {bad}" if bad else "")
+                     + (f", skipped {skipped}" if skipped else ""))
+    if m.get("target_prompts"):
+        p = m["target_prompts"]
+        lines.append(f"  target prompts: {p['written']} of {p['requested']} kept of {p['attempts']} sampled, "
+                     "dropped " + ", ".join(f"{k} {v}" for k, v in p["dropped"].items() if v))
     if m["counts"]:
         lines.append(f"  {', '.join(f'{k} {v}' for k, v in sorted(m['counts'].items()))}")
     t = m["throughput"]

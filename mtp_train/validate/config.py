@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mtp_train.data.config import PROMPT_SETS
+from mtp_train.data.config import DEV_SETS, TEST_SETS
 from mtp_train.inference.config import PROFILES, TreeConfig
 
 DRAFTERS = ("head", "draft")  # validate.drafters
@@ -34,6 +34,15 @@ class ValidateConfig:
     # val split), `mt-bench` (FastChat's 80 questions, fetched from a pinned PyPI wheel), or a .jsonl/.json file of
     # conversations (mtp_train/data/prompt_sets.py)
     prompts: list[str] = field(default_factory=lambda: ["recipe"])
+    # the test report (`mtp-train test`): sets only reported, never chosen on, decoded whole (test_num_prompts=0)
+    # at the setting chosen on the dev sets: greedy, a chain of test_k drafts or the tree test_tree
+    # (steps/topk/num_draft_tokens), timed against the target alone prompt by prompt; then once more at k = 5,
+    # untimed, for acceptance by position
+    test_prompts: list[str] = field(default_factory=lambda: list(TEST_SETS))
+    test_num_prompts: int = 0
+    test_k: int = 3
+    test_tree: str = ""  # e.g. "3/2/4"; "" = the chain test_k
+    test_speed: bool = True  # false: the head alone at the chosen setting, untimed (tau, acceptance; no identity)
     # a row measured below 0.5x or above 1.5x of its prediction, above its tau, or between target-only rounds that
     # spread more than 15% is timed again, up to this many times; one that stays so is flagged `suspect`
     retimes: int = 2
@@ -57,12 +66,35 @@ class ValidateConfig:
             raise ValueError(f"validate.temperatures={list(self.temperatures)}: one or more values >= 0 (0 is greedy)")
         if self.serving_profile not in PROFILES:
             raise ValueError(f"validate.serving_profile={self.serving_profile!r}: expected one of {', '.join(PROFILES)}")
-        odd = [p for p in self.prompts if p not in PROMPT_SETS and not str(p).endswith((".jsonl", ".json"))]
-        if odd or not self.prompts or len(set(self.prompts)) < len(self.prompts):
-            raise ValueError(f"validate.prompts={list(self.prompts)}: expected distinct entries, each one of "
-                             f"{', '.join(PROMPT_SETS)} or a .jsonl/.json file of conversations (e.g. "
-                             "validate.prompts=[recipe,mt-bench])")
+        for key, mine, theirs in (("prompts", DEV_SETS, TEST_SETS), ("test_prompts", TEST_SETS, DEV_SETS)):
+            sets = list(getattr(self, key))
+            if wrong := [p for p in sets if p in theirs]:
+                role = "test" if key == "prompts" else "dev"
+                raise ValueError(f"validate.{key}={sets}: {', '.join(wrong)} is a {role} set: "
+                                 + ("test sets are only reported, by `mtp-train test` (validate.test_prompts)"
+                                    if role == "test" else "dev sets are for choosing, by `mtp-train validate` "
+                                    "(validate.prompts)"))
+            odd = [p for p in sets if p not in mine and not str(p).endswith((".jsonl", ".json"))]
+            if odd or (key == "prompts" and not sets) or len(set(sets)) < len(sets):
+                raise ValueError(f"validate.{key}={sets}: expected distinct entries, each one of {', '.join(mine)} "
+                                 "or a .jsonl/.json file of conversations (e.g. validate.prompts=[recipe,mt-bench])")
+        if self.test_k < 1 or self.test_num_prompts < 0:
+            raise ValueError(f"validate.test_k={self.test_k} (>= 1), validate.test_num_prompts="
+                             f"{self.test_num_prompts} (>= 0, 0 = all)")
+        if self.test_tree:
+            self.tree_for_test()
         bad = [d for d in self.drafters if d not in DRAFTERS]
         if bad or not self.drafters:
             raise ValueError(f"validate.drafters={list(self.drafters)}: expected a non-empty subset of "
                              f"{list(DRAFTERS)}")
+
+    def tree_for_test(self) -> TreeConfig | None:
+        """validate.test_tree as a TreeConfig (None: the chain test_k)."""
+        if not self.test_tree:
+            return None
+        try:
+            steps, topk, n = (int(x) for x in str(self.test_tree).split("/"))
+            return TreeConfig(steps, topk, n)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"validate.test_tree={self.test_tree!r}: expected steps/topk/num_draft_tokens, e.g. "
+                             f"3/2/4 ({e})") from None

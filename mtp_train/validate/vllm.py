@@ -20,7 +20,6 @@ above τ, target-only rounds spreading more than 15%) but not timed again (that 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from dataclasses import replace
@@ -29,14 +28,13 @@ from typing import TYPE_CHECKING
 
 from mtp_train.export.formats import export_head
 from mtp_train.inference.speculative import DecodeStats
-from mtp_train.inference.vllm_engine import METHODS, run_vllm
+from mtp_train.inference.vllm_engine import METHODS, VLLM_PYTHON_ENV, find_vllm_python, run_vllm
 from mtp_train.validate.config import ValidateConfig
 from mtp_train.validate.decoding import decoding_row, decoding_settings, outlier, speeds, target_only_summary
 
 if TYPE_CHECKING:
     from mtp_train.config import RunConfig
 
-VLLM_PYTHON_ENV = "MTP_TRAIN_VLLM_PYTHON"
 REPO = Path(__file__).resolve().parents[2]
 # head variant -> (export format, the directory it writes that vLLM serves)
 LAYOUTS = {"mtp": ("vllm-mtp", "vllm-mtp"), "eagle1": ("eagle", "eagle-vllm"), "eagle3": ("eagle3", "eagle3")}
@@ -54,9 +52,9 @@ def vllm_python(configured: str) -> str:
             raise FileNotFoundError(f"validate.vllm_python={configured}: no such file (the Python of a venv with "
                                     "vLLM and, for mtp heads, our plugin: pip install --no-deps ./serving/vllm_plugin)")
         return configured
-    for c in (os.environ.get(VLLM_PYTHON_ENV, ""), str(REPO / ".venv-vllm" / "bin" / "python")):
-        if c and Path(c).is_file():
-            return c
+    found = find_vllm_python()
+    if found:
+        return found
     raise FileNotFoundError(f"validate.engine=vllm needs vLLM's Python: set validate.vllm_python=/path/to/venv/bin/"
                             f"python or ${VLLM_PYTHON_ENV}, or build {REPO / '.venv-vllm'} (make test-serving)")
 
@@ -156,7 +154,8 @@ def decode_sets(cfg: "RunConfig", variant: str, sets: list, python: str) -> list
     target_config = json.loads((Path(cfg.target.path) / "config.json").read_text())
     export_dir, method = export_for_vllm(cfg, variant, target_config.get("model_type"))
     sections = []
-    for spec, set_prompts, _, source in sets:
+    for ps in sets:
+        spec, set_prompts, source = ps.name, ps.prompts, ps.line
         print(f"validate: prompt set {spec}: {source}")
         entries, baselines, engine = decode_set(cfg, spec, set_prompts, export_dir, method, python)
         settings = {**decoding_settings(cfg.validate, cfg.target.dtype, source, set_prompts), **engine}

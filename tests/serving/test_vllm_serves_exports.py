@@ -314,3 +314,34 @@ def test_regenerate_through_a_vllm_server():
         if split in same:
             assert same[split]["samples"] == same[split]["other"]
             assert same[split]["identical"] >= 0.9 * same[split]["samples"], same
+
+
+def test_regenerate_offline_through_vllm():
+    """`data.regen_engine=vllm`: prepare (our CLI, our venv) runs this venv's vLLM offline as its worker
+    (inference/vllm_worker.py, fp32, chunks of 16) on the same 56 conversations the in-process engine did; greedy,
+    the datasets agree."""
+    import time
+
+    if "regenerate" not in MANIFEST:
+        pytest.skip("the smoke manifest (prepare.py --smoke) has no regeneration case")
+    regen = MANIFEST["regenerate"]
+    run_dir = DIR / "regen-vllm-offline"
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    env = {**os.environ, "MTP_TRAIN_VLLM_PYTHON": sys.executable}
+    t0 = time.perf_counter()
+    subprocess.run([regen["mtp_train"], "prepare", "recipe=tiny", f"run_dir={run_dir}", "target.device=cpu",
+                    *regen["overrides"], "data.regen_engine=vllm", "data.regen_dtype=float32", "data.regen_chunk=16",
+                    "data.regen_batch_size=16"], check=True, timeout=1200, env=env)
+    seconds = time.perf_counter() - t0
+    same = json.loads(subprocess.run([regen["python"], str(ROOT / "tests" / "serving" / "same_replies.py"),
+                                      regen["ours"], str(run_dir / "data")], check=True, capture_output=True,
+                                     text=True).stdout)
+    ours, theirs = same["regenerate"]
+    record("regenerate_offline", {"ours": ours, "vllm": theirs, "prepare_seconds": seconds,
+                                  **{k: v for k, v in same.items() if k != "regenerate"}})
+    assert theirs["engine_choice"]["engine"] == "vllm" and theirs["engine_choice"]["dtype"] == "float32"
+    assert theirs["turns"] == ours["turns"] and theirs["turns_from_journal"] == 0
+    for split in ("train", "val"):
+        if split in same:
+            assert same[split]["samples"] == same[split]["other"]
+            assert same[split]["identical"] >= 0.9 * same[split]["samples"], same

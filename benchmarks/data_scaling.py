@@ -1,0 +1,223 @@
+"""The data-scaling curve: the same head and epochs trained on nested subsets of one regenerated dataset, each
+judged by one greedy pass at k = 3 over the test prompt sets (untimed), the largest also timed against the target.
+
+    .venv/bin/python benchmarks/data_scaling.py --recipe smollm2-135m-chat --sizes 300 1200 2400
+    .venv/bin/python benchmarks/data_scaling.py --recipe smollm2-135m-chat --table    # the table and plot only
+
+1. `mtp-train prepare` of the recipe in BASE/full (regenerated once; resumable).
+2. For each size n (smallest first): BASE/n<n>/data holds the first n training rows of a seeded permutation of the
+   full train split (so the sizes nest) and the full val split, with a manifest naming the subset and the sha256
+   of its token ids; then `precompute` (with a store), `train` (train.steps = epochs x n / micro_batch, so every
+   size trains the same epochs; eval once an epoch) and `test` at k = 3 with `validate.test_speed=false`; the
+   largest size also runs `test` timed.
+3. Each size's JSON goes to benchmarks/results/data-scaling-<recipe>-n<n>.json as it finishes (data hash,
+   processor, tokens and wall-clock per stage, τ(3) with its interval and acceptance by position per test set);
+   a later run skips a size whose JSON holds the same data hash. Then a table, the slope (τ(3) per doubling of
+   the data, least squares over log2 n) and benchmarks/results/data-scaling-<recipe>.png.
+
+Exits non-zero when a stage fails or a size's data hash differs from its JSON's (rerun with --redo N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+
+from mtp_train.config import compose  # noqa: E402
+from mtp_train.validate.decoding import processor_name  # noqa: E402
+
+
+def mtp(stage: str, recipe: str, run_dir: Path, *overrides: str) -> float:
+    """One `mtp-train` stage in a subprocess; its wall-clock seconds. A failure stops the benchmark."""
+    cmd = [sys.executable, "-m", "mtp_train", stage, f"recipe={recipe}", f"run_dir={run_dir}", *overrides]
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+        sys.exit(f"data_scaling: `{' '.join(cmd[2:])}` failed")
+    return time.perf_counter() - t0
+
+
+def token_hash(rows: list[list[int]]) -> str:
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(json.dumps(r).encode() + b"\n")
+    return h.hexdigest()
+
+
+def write_subset(full: Path, out: Path, n: int, seed: int) -> dict:
+    """BASE/n<n>/data: the first n rows of the seeded permutation of full/train, full/val as it is."""
+    import datasets
+
+    train = datasets.load_from_disk(str(full / "train"))
+    if n > len(train):
+        sys.exit(f"data_scaling: size {n} is over the {len(train)} training rows of {full}")
+    order = list(range(len(train)))
+    random.Random(f"scaling:{seed}").shuffle(order)
+    subset = train.select(sorted(order[:n]))
+    digest = token_hash([list(r) for r in subset["input_ids"]])
+    manifest = json.loads((full / "manifest.json").read_text())
+    if (out / "manifest.json").is_file() and json.loads((out / "manifest.json").read_text()).get("subset", {}).get(
+            "token_ids_sha256") == digest:
+        return json.loads((out / "manifest.json").read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    subset.save_to_disk(str(out / "train"))
+    shutil.copytree(full / "val", out / "val")
+    tokens = sum(len(r) for r in subset["input_ids"])
+    manifest["config_hash"] = hashlib.sha256(f"{manifest['config_hash']}:{n}:{seed}".encode()).hexdigest()
+    manifest["splits"]["train"] = {"samples": n, "tokens": tokens,
+                                   "masked_tokens": sum(sum(m) for m in subset["loss_mask"])}
+    manifest["subset"] = {"of": str(full), "rows": n, "of_rows": len(train), "seed": seed, "token_ids_sha256": digest}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def size_run(args, n: int, full: Path, epochs: float, largest: bool) -> dict:
+    run_dir = Path(args.base) / f"n{n}"
+    manifest = write_subset(full / "data", run_dir / "data", n, args.seed)
+    cfg = compose(args.recipe, [f"run_dir={run_dir}", *args.overrides])
+    steps = max(1, round(epochs * n / cfg.train.micro_batch))
+    per_epoch = max(1, round(n / cfg.train.micro_batch))
+    train = [f"train.steps={steps}", f"train.eval_every={per_epoch}", f"train.save_every={per_epoch}",
+             f"train.warmup_steps={min(cfg.train.warmup_steps, max(1, steps // 10))}", "resume=true"]
+    seconds = {}
+    if cfg.train.features == "store":
+        seconds["precompute"] = mtp("precompute", args.recipe, run_dir, *args.overrides)
+    seconds["train"] = mtp("train", args.recipe, run_dir, *args.overrides, *train)
+    test = ["validate.test_k=3", f"validate.test_num_prompts={args.test_prompts}", *args.overrides]
+    seconds["test_untimed"] = mtp("test", args.recipe, run_dir, *test, "validate.test_speed=false")
+    untimed = json.loads((run_dir / "validation" / "test.json").read_text())
+    timed = None
+    if largest and not args.no_speed:
+        seconds["test_timed"] = mtp("test", args.recipe, run_dir, *test)
+        timed = json.loads((run_dir / "validation" / "test.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"recipe": args.recipe, "size": n, "epochs": epochs, "steps": steps,
+            "data": manifest["subset"], "train_tokens": manifest["splits"]["train"]["tokens"],
+            "processor": processor_name(), "threads": os.cpu_count(), "seconds": seconds,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "sets": {s["name"]: {"tau3": s["tau"], "acceptance_by_position": s["acceptance_by_position"],
+                                 "num_prompts": s["num_prompts"]} for s in untimed["sets"]},
+            "timed": None if timed is None else {s["name"]: {k: s[k] for k in ("tau", "speedup", "implied_tau",
+                                                                              "greedy_identical_prompts", "num_prompts")}
+                                                 for s in timed["sets"]},
+            "choice": untimed["choice"],
+            "val_per_epoch": [m for m in metrics if any(k.startswith("val") for k in m)]}
+
+
+def slope(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares τ per doubling of the data."""
+    if len(points) < 2:
+        return None
+    xs, ys = [math.log2(n) for n, _ in points], [t for _, t in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def table(recipe: str) -> None:
+    runs = sorted((json.loads(p.read_text()) for p in RESULTS.glob(f"data-scaling-{recipe}-n*.json")),
+                  key=lambda r: r["size"])
+    if not runs:
+        print(f"no data-scaling-{recipe}-n*.json in {RESULTS}")
+        return
+    names = list(runs[-1]["sets"])
+    print(f"| conversations | train tokens | " + " | ".join(f"{n} τ(3) [95%]" for n in names)
+          + " | train min | processor |")
+    print("|---|---|" + "---|" * len(names) + "---|---|")
+    for r in runs:
+        cells = [f"{r['sets'][n]['tau3']['value']:.3f} [{r['sets'][n]['tau3']['low']:.2f}, "
+                 f"{r['sets'][n]['tau3']['high']:.2f}]" if n in r["sets"] else "" for n in names]
+        print(f"| {r['size']:,} | {r['train_tokens']:,} | " + " | ".join(cells)
+              + f" | {r['seconds']['train'] / 60:.1f} | {r['processor']} |")
+    for n in names:
+        s = slope([(r["size"], r["sets"][n]["tau3"]["value"]) for r in runs if n in r["sets"]])
+        print(f"{n}: τ(3) {'+' if s is not None and s >= 0 else ''}{s:.3f} per doubling of the data" if s is not None
+              else f"{n}: one size")
+    if runs[-1].get("timed"):
+        for n, s in runs[-1]["timed"].items():
+            print(f"largest size, {n}: speed-up {s['speedup']['value']:.2f}x [{s['speedup']['low']:.2f}, "
+                  f"{s['speedup']['high']:.2f}], τ(3) {s['tau']['value']:.2f}, greedy identical "
+                  f"{s['greedy_identical_prompts']}/{s['num_prompts']}")
+    plot(recipe, runs, names)
+
+
+def plot(recipe: str, runs: list[dict], names: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in names:
+        pts = [(r["size"], r["sets"][n]["tau3"]) for r in runs if n in r["sets"]]
+        ax.errorbar([p[0] for p in pts], [p[1]["value"] for p in pts],
+                    yerr=[[p[1]["value"] - p[1]["low"] for p in pts], [p[1]["high"] - p[1]["value"] for p in pts]],
+                    marker="o", capsize=3, label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training conversations (nested subsets)")
+    ax.set_ylabel("greedy τ(3) on the test set (95%)")
+    ax.set_title(f"{recipe}: what more data buys ({runs[-1]['processor']})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = RESULTS / f"data-scaling-{recipe}.png"
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="smollm2-135m-chat")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[300, 1200, 2400])
+    ap.add_argument("--base", default="runs/scaling")
+    ap.add_argument("--epochs", type=float, default=0, help="0: the recipe's (train.steps x micro_batch / rows)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--test-prompts", type=int, default=0, help="validate.test_num_prompts (0: every test prompt)")
+    ap.add_argument("--no-speed", action="store_true", help="no timed test at the largest size")
+    ap.add_argument("--redo", type=int, nargs="*", default=[], help="sizes to run again whatever their JSON says")
+    ap.add_argument("--table", action="store_true", help="only the table and the plot from the JSONs")
+    ap.add_argument("overrides", nargs="*", help="key=value for every stage")
+    args = ap.parse_args()
+    if args.table:
+        table(args.recipe)
+        return 0
+    full = Path(args.base) / "full"
+    seconds = mtp("prepare", args.recipe, full, *args.overrides)
+    rows = json.loads((full / "data" / "manifest.json").read_text())["splits"]["train"]["samples"]
+    cfg = compose(args.recipe, [f"run_dir={full}", *args.overrides])
+    epochs = args.epochs or cfg.train.steps * cfg.train.micro_batch / rows
+    print(f"data_scaling: {rows} training rows in {full} (prepare {seconds:.0f} s), {epochs:.2f} epochs at every size")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for n in sorted(args.sizes):
+        out = RESULTS / f"data-scaling-{args.recipe}-n{n}.json"
+        if out.is_file() and n not in args.redo:
+            done = json.loads(out.read_text())
+            manifest = write_subset(full / "data", Path(args.base) / f"n{n}" / "data", n, args.seed)
+            if done["data"]["token_ids_sha256"] != manifest["subset"]["token_ids_sha256"]:
+                sys.exit(f"data_scaling: {out} was made from other data (sha256 {done['data']['token_ids_sha256'][:12]} "
+                         f"against {manifest['subset']['token_ids_sha256'][:12]} now): rerun with --redo {n}")
+            print(f"data_scaling: size {n} done ({out.name})")
+            continue
+        result = size_run(args, n, full, epochs, n == max(args.sizes))
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"data_scaling: wrote {out}")
+    table(args.recipe)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
