@@ -1,7 +1,7 @@
 """The data-scaling curve: the same head and epochs trained on nested subsets of one regenerated dataset, each
 judged by one greedy pass at k = 3 over the test prompt sets (untimed), the largest also timed against the target.
 
-    .venv/bin/python benchmarks/data_scaling.py --recipe smollm2-135m-chat --sizes 300 1200 2400
+    .venv/bin/python benchmarks/data_scaling.py --recipe smollm2-135m-chat --sizes 300 600 1200 2400
     .venv/bin/python benchmarks/data_scaling.py --recipe smollm2-135m-chat --table    # the table and plot only
 
 1. `mtp-train prepare` of the recipe in BASE/full (regenerated once; resumable).
@@ -38,6 +38,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
 from mtp_train.config import compose  # noqa: E402
+from mtp_train.data.chat import Tokenized  # noqa: E402
+from mtp_train.data.prepare import token_ids_sha256  # noqa: E402
 from mtp_train.validate.decoding import processor_name  # noqa: E402
 
 
@@ -51,13 +53,6 @@ def mtp(stage: str, recipe: str, run_dir: Path, *overrides: str) -> float:
     return time.perf_counter() - t0
 
 
-def token_hash(rows: list[list[int]]) -> str:
-    h = hashlib.sha256()
-    for r in rows:
-        h.update(json.dumps(r).encode() + b"\n")
-    return h.hexdigest()
-
-
 def write_subset(full: Path, out: Path, n: int, seed: int) -> dict:
     """BASE/n<n>/data: the first n rows of the seeded permutation of full/train, full/val as it is."""
     import datasets
@@ -68,10 +63,12 @@ def write_subset(full: Path, out: Path, n: int, seed: int) -> dict:
     order = list(range(len(train)))
     random.Random(f"scaling:{seed}").shuffle(order)
     subset = train.select(sorted(order[:n]))
-    digest = token_hash([list(r) for r in subset["input_ids"]])
+    val = datasets.load_from_disk(str(full / "val"))
+    digest = token_ids_sha256({name: [Tokenized(list(r), []) for r in ds["input_ids"]]
+                               for name, ds in (("train", subset), ("val", val))})
     manifest = json.loads((full / "manifest.json").read_text())
     if (out / "manifest.json").is_file() and json.loads((out / "manifest.json").read_text()).get("subset", {}).get(
-            "token_ids_sha256") == digest:
+            "rows") == n and json.loads((out / "manifest.json").read_text()).get("token_ids_sha256") == digest:
         return json.loads((out / "manifest.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -81,7 +78,9 @@ def write_subset(full: Path, out: Path, n: int, seed: int) -> dict:
     manifest["config_hash"] = hashlib.sha256(f"{manifest['config_hash']}:{n}:{seed}".encode()).hexdigest()
     manifest["splits"]["train"] = {"samples": n, "tokens": tokens,
                                    "masked_tokens": sum(sum(m) for m in subset["loss_mask"])}
-    manifest["subset"] = {"of": str(full), "rows": n, "of_rows": len(train), "seed": seed, "token_ids_sha256": digest}
+    manifest["subset"] = {"of": str(full), "rows": n, "of_rows": len(train), "seed": seed,
+                          "of_token_ids_sha256": manifest.get("token_ids_sha256")}
+    manifest["token_ids_sha256"] = digest  # prepare's hash, of the subset's train and val
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -90,15 +89,21 @@ def size_run(args, n: int, full: Path, epochs: float, largest: bool) -> dict:
     run_dir = Path(args.base) / f"n{n}"
     manifest = write_subset(full / "data", run_dir / "data", n, args.seed)
     cfg = compose(args.recipe, [f"run_dir={run_dir}", *args.overrides])
-    steps = max(1, round(epochs * n / cfg.train.micro_batch))
-    per_epoch = max(1, round(n / cfg.train.micro_batch))
+    batch = cfg.train.micro_batch * cfg.train.grad_accum  # one process
+    steps = max(1, round(epochs * n / batch))
+    per_epoch = max(1, round(n / batch))
+    if args.redo_all or n in args.redo:  # from scratch: no checkpoint of another run to resume
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        for f in ("metrics.jsonl",):
+            (run_dir / f).unlink(missing_ok=True)
     train = [f"train.steps={steps}", f"train.eval_every={per_epoch}", f"train.save_every={per_epoch}",
              f"train.warmup_steps={min(cfg.train.warmup_steps, max(1, steps // 10))}", "resume=true"]
     seconds = {}
     if cfg.train.features == "store":
         seconds["precompute"] = mtp("precompute", args.recipe, run_dir, *args.overrides)
     seconds["train"] = mtp("train", args.recipe, run_dir, *args.overrides, *train)
-    test = ["validate.test_k=3", f"validate.test_num_prompts={args.test_prompts}", *args.overrides]
+    test = ["validate.test_k=3", *([f"validate.test_num_prompts={args.test_prompts}"] if args.test_prompts is not None
+                                    else []), *args.overrides]
     seconds["test_untimed"] = mtp("test", args.recipe, run_dir, *test, "validate.test_speed=false")
     untimed = json.loads((run_dir / "validation" / "test.json").read_text())
     timed = None
@@ -106,8 +111,9 @@ def size_run(args, n: int, full: Path, epochs: float, largest: bool) -> dict:
         seconds["test_timed"] = mtp("test", args.recipe, run_dir, *test)
         timed = json.loads((run_dir / "validation" / "test.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"recipe": args.recipe, "size": n, "epochs": epochs, "steps": steps,
-            "data": manifest["subset"], "train_tokens": manifest["splits"]["train"]["tokens"],
+    return {"recipe": args.recipe, "size": n, "epochs": epochs, "steps": steps, "overrides": args.overrides,
+            "data": {**manifest["subset"], "token_ids_sha256": manifest["token_ids_sha256"]},
+            "train_tokens": manifest["splits"]["train"]["tokens"],
             "processor": processor_name(), "threads": os.cpu_count(), "seconds": seconds,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "sets": {s["name"]: {"tau3": s["tau"], "acceptance_by_position": s["acceptance_by_position"],
@@ -182,11 +188,12 @@ def plot(recipe: str, runs: list[dict], names: list[str]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="smollm2-135m-chat")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[300, 1200, 2400])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[300, 600, 1200, 2400])
     ap.add_argument("--base", default="runs/scaling")
     ap.add_argument("--epochs", type=float, default=0, help="0: the recipe's (train.steps x micro_batch / rows)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--test-prompts", type=int, default=0, help="validate.test_num_prompts (0: every test prompt)")
+    ap.add_argument("--test-prompts", type=int, default=None,
+                    help="validate.test_num_prompts (default: the recipe's; 0: every test prompt)")
     ap.add_argument("--no-speed", action="store_true", help="no timed test at the largest size")
     ap.add_argument("--redo", type=int, nargs="*", default=[], help="sizes to run again whatever their JSON says")
     ap.add_argument("--table", action="store_true", help="only the table and the plot from the JSONs")
@@ -201,15 +208,22 @@ def main() -> int:
     cfg = compose(args.recipe, [f"run_dir={full}", *args.overrides])
     epochs = args.epochs or cfg.train.steps * cfg.train.micro_batch / rows
     print(f"data_scaling: {rows} training rows in {full} (prepare {seconds:.0f} s), {epochs:.2f} epochs at every size")
+    if over := [n for n in args.sizes if n > rows]:
+        sys.exit(f"data_scaling: sizes {over} are over the {rows} training rows of {full}: ask for smaller sizes, or "
+                 "more data from the recipe")
+    args.redo_all = False
     RESULTS.mkdir(parents=True, exist_ok=True)
     for n in sorted(args.sizes):
         out = RESULTS / f"data-scaling-{args.recipe}-n{n}.json"
         if out.is_file() and n not in args.redo:
             done = json.loads(out.read_text())
             manifest = write_subset(full / "data", Path(args.base) / f"n{n}" / "data", n, args.seed)
-            if done["data"]["token_ids_sha256"] != manifest["subset"]["token_ids_sha256"]:
+            if done["data"]["token_ids_sha256"] != manifest["token_ids_sha256"]:
                 sys.exit(f"data_scaling: {out} was made from other data (sha256 {done['data']['token_ids_sha256'][:12]} "
-                         f"against {manifest['subset']['token_ids_sha256'][:12]} now): rerun with --redo {n}")
+                         f"against {manifest['token_ids_sha256'][:12]} now): rerun with --redo {n}")
+            if (done["epochs"], done.get("overrides")) != (epochs, args.overrides):
+                sys.exit(f"data_scaling: {out} was trained {done['epochs']:.2f} epochs with {done.get('overrides')}, "
+                         f"this run asks {epochs:.2f} with {args.overrides}: rerun with --redo {n}, or the same")
             print(f"data_scaling: size {n} done ({out.name})")
             continue
         result = size_run(args, n, full, epochs, n == max(args.sizes))

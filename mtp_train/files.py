@@ -192,3 +192,13 @@ def check_space(path: str | Path, needed: int, what: str, kept: str) -> None:
     free = _free_bytes(path)
     if free is not None and free < needed:
         raise _disk_full(errno.ENOSPC, path, needed, what, kept)
+
+
+DATA_ENV = "MTP_TRAIN_DATA"
+
+
+def data_cache_dir() -> Path:
+    """`$MTP_TRAIN_DATA` if set, else `~/.cache/mtp_train/data` (beside the fetched models and prompts): fetched
+    datasets and the regeneration journals kept across run directories."""
+    env = os.environ.get(DATA_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mtp_train" / "data"

@@ -17,6 +17,12 @@ from mtp_train.config import ASSETS_DIR  # noqa: E402
 TINY = ASSETS_DIR / "tiny"
 
 
+@pytest.fixture(autouse=True)
+def _own_data_cache(tmp_path, monkeypatch):
+    """Each test its own $MTP_TRAIN_DATA: no test reuses another's regenerated replies, none writes to ~/.cache."""
+    monkeypatch.setenv("MTP_TRAIN_DATA", str(tmp_path / "data-cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_dir():
     if not (TINY / "target" / "model.safetensors").is_file():

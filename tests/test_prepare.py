@@ -308,6 +308,26 @@ def test_regenerate_replaces_assistant_turns_with_the_targets_reply(tmp_path, ti
     assert got == sorted(expected) and "ORIGINAL" not in "".join(got)
 
 
+def test_regenerated_replies_are_reused_by_another_run_of_the_same_inputs(tmp_path, capsys):
+    convs = [{"messages": [{"role": "user", "content": f"Write `def g{i}(x)`."},
+                           {"role": "assistant", "content": "ORIGINAL"}]} for i in range(3)]
+    path = _write_jsonl(tmp_path / "c.jsonl", convs)
+    args = ("data.regenerate=true", "data.regen_max_new_tokens=6", "data.regen_batch_size=2", "data.regen_cache=true")
+    first = prep.run(_cfg(tmp_path, [SourceConfig(path=str(path), split="train")], *args))
+    cached = list((tmp_path / "data-cache" / "regenerated").glob("*.jsonl"))
+    assert len(cached) == 1 and cached[0].read_bytes() == (tmp_path / "run" / "data" / "regenerate.jsonl").read_bytes()
+    capsys.readouterr()
+    other = tmp_path / "other"
+    other.mkdir()
+    again = prep.run(_cfg(other, [SourceConfig(path=str(path), split="train")], *args))
+    assert "replies made before for these inputs" in capsys.readouterr().out
+    assert again["token_ids_sha256"] == first["token_ids_sha256"]
+    third = tmp_path / "third"
+    third.mkdir()
+    off = prep.run(_cfg(third, [SourceConfig(path=str(path), split="train")], *args[:-1], "data.regen_cache=false"))
+    assert "replies made before" not in capsys.readouterr().out and off["token_ids_sha256"] == first["token_ids_sha256"]
+
+
 def test_regenerate_multi_turn_feeds_the_targets_own_earlier_reply(tmp_path, tiny_dir, tok):
     conv = {"messages": [{"role": "user", "content": "Write `def a()`."}, {"role": "assistant", "content": "OLD1"},
                          {"role": "user", "content": "Now `def b()`."}, {"role": "assistant", "content": "OLD2"}]}

@@ -27,6 +27,10 @@ def test_overlap_finds_copies_inside_longer_texts_and_near_duplicates():
     assert index.find("What is the capital of France?", "test 3") is None
     exact = index.find("explain how a transistor amplifies a signal step by step for a beginner", "test 4")
     assert exact.kind == "same"
+    index.add("User: hi. Please continue writing the story now.", "train row 2")
+    assert index.find("hi", "short") is None  # fewer than MIN_WORDS words: only an equal text counts
+    assert index.find("continue writing the story", "four words").kind == "contained"
+    assert index.find("continue the story", "not whole") is None
     assert [o.prompt for o in overlap.overlaps([("a pirate poem", "x"), ("write a poem about the sea in the style "
                                                                           "of a pirate", "y")], index)] == ["y"]
 
@@ -171,5 +175,30 @@ def test_a_greedy_mismatch_names_its_position_and_the_logit_gap(trained_run, tin
         logits = target.model(input_ids=torch.tensor([prompt + base[:2]])).logits[0, -1]
     top = torch.topk(logits, 2).values
     assert m["position"] == 2 and m["target_token"] == 11 and m["head_run_token"] == 12 and m["prompt"] == 4
-    assert m["top2_gap"] == pytest.approx(float(top[0] - top[1])) and m["near_tie"] is (m["top2_gap"] < NEAR_TIE)
+    second = int(torch.topk(logits, 2).indices[1])
+    assert m["top2_gap"] == pytest.approx(float(top[0] - top[1])) and m["runner_up"] is (second == 12)
+    assert m["near_tie"] is (m["top2_gap"] < NEAR_TIE and m["runner_up"])
+    tie = mismatch(target, prompt, base, base[:2] + [second], 4, "mine")
+    assert tie["runner_up"] and tie["near_tie"] is (tie["top2_gap"] < NEAR_TIE)
     assert mismatch(target, prompt, base, base[:2], 0, "mine_k5")["position"] == 2  # cut short: where it ends
+
+
+def test_vllm_judges_the_test_sets_greedy_at_k_1_to_5(monkeypatch, tmp_path):
+    from mtp_train.config import compose
+    from mtp_train.validate import testset
+
+    seen = {}
+
+    def decode_sets(cfg, variant, sets, python):
+        seen.update(temps=cfg.validate.temperatures, max_k=cfg.validate.max_k, variant=variant, python=python)
+        rows = [{"k": k, "tau": 1 + k / 10, "acceptance_by_position": [0.5] * k, "num_prompts": 2,
+                 "greedy_identical": k != 4, "greedy_identical_prompts": 2 - (k == 4)} for k in range(1, 6)]
+        return [{"name": s.name, "decoding": rows, "decoding_settings": {"vllm_version": "0.32.0"}} for s in sets]
+
+    monkeypatch.setattr(testset.vllm, "decode_sets", decode_sets)
+    monkeypatch.setattr(testset.vllm, "python_for", lambda v, names: "/venv/bin/python")
+    cfg = compose("tiny", [f"run_dir={tmp_path}", "validate.engine=vllm", "validate.temperatures=[0.0,1.0]"])
+    judged = testset.vllm_judge(cfg, "eagle3", [P.PromptSet("mt-bench-test", "test", [[1, 2]], None, "x")])
+    assert seen == {"temps": [0.0], "max_k": 5, "variant": "eagle3", "python": "/venv/bin/python"}
+    assert [(x["k"], x["greedy_identical"]) for x in judged][3] == (4, False)
+    assert all(x["name"] == "mt-bench-test" and x["vllm_version"] == "0.32.0" for x in judged)

@@ -60,6 +60,7 @@ class DataConfig:
     # with regenerate_server set, neither it nor regen_dtype is read
     regen_engine: str = "auto"
     regen_dtype: str = "auto"  # float32 | bfloat16 | auto: bf16 on a GPU or a CPU with AMX, else fp32
+    regen_cache: bool = True  # keep finished replies in $MTP_TRAIN_DATA/regenerated, reused by a run of the same inputs
     regen_chunk: int = 256  # vLLM: prompts sent together, their replies committed to the journal together
     # an OpenAI-compatible server (vLLM, SGLang) that serves the run's target, e.g. http://127.0.0.1:8000/v1: the
     # replies come from it instead of our engine (the regen_* settings below only apply to it)

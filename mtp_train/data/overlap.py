@@ -7,11 +7,14 @@ The rule (the one place it lives):
 
     normalised text   = the words (runs of letters and digits), case-folded, joined by one space
     prompt key        = sha256 of the normalised text
-    shingles          = the set of NGRAM consecutive normalised words (a text shorter than NGRAM words: itself)
+    same              = equal keys
+    contained         = the prompt's normalised text, MIN_WORDS words or more, found whole (at word boundaries)
+                        in the other's
+    shingles          = the set of NGRAM consecutive normalised words (a text shorter than NGRAM words: none)
     near-duplicate    = |shingles(prompt) ∩ shingles(other)| >= CONTAINMENT * |shingles(prompt)|
 
 Containment, not Jaccard: a prompt copied into a longer conversation (a system turn, other turns around it)
-is still found.
+is still found. A prompt of fewer than MIN_WORDS words ("hi", "go on") only counts when it is the same text.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 NGRAM = 5  # words per shingle
 CONTAINMENT = 0.5  # share of a prompt's shingles found in one other text that makes it a near-duplicate
+MIN_WORDS = 3  # a shorter prompt overlaps only an equal text
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 
@@ -37,8 +41,6 @@ def prompt_key(text: str) -> str:
 
 def shingles(text: str, n: int = NGRAM) -> set[str]:
     words = normalise(text).split()
-    if len(words) < n:
-        return {" ".join(words)} if words else set()
     return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
 
 
@@ -81,9 +83,14 @@ class TextIndex:
         holds the largest share of its shingles (the text itself contained in it, or a near-duplicate)."""
         if (i := self.keys.get(prompt_key(text))) is not None:
             return Overlap(where, self.where[i], "same", 1.0)
-        mine = shingles(text)
-        if not mine:
+        norm = normalise(text)
+        if len(norm.split()) < MIN_WORDS:
             return None
+        mine = shingles(text)
+        if not mine:  # MIN_WORDS..NGRAM-1 words: whole, at word boundaries, in some text
+            padded = f" {norm} "
+            i = next((i for i, other in enumerate(self.normalised) if padded in f" {other} "), None)
+            return None if i is None else Overlap(where, self.where[i], "contained", 1.0)
         hits: dict[int, int] = defaultdict(int)
         for s in mine:
             for i in set(self.by_shingle.get(s, ())):
@@ -94,8 +101,7 @@ class TextIndex:
         share = hits[best] / len(mine)
         if share < containment:
             return None
-        norm = normalise(text)
-        kind = "contained" if norm and norm in self.normalised[best] else "near"
+        kind = "contained" if f" {norm} " in f" {self.normalised[best]} " else "near"
         return Overlap(where, self.where[best], kind, share)
 
 

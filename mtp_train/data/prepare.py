@@ -52,7 +52,7 @@ def config_hash(cfg: "RunConfig", sources: list) -> str:
     # how it is made, not what: left out; the server settings only when set (a dataset prepared before they
     # existed keeps its hash)
     # the synth_* settings only with a target_prompts source
-    how = ("overwrite", "regen_concurrency", "regen_timeout", "regen_retries")
+    how = ("overwrite", "regen_concurrency", "regen_timeout", "regen_retries", "regen_cache")
     synthesized = any(synth.wanted(src) for src in cfg.data.sources)
     data = {k: v for k, v in asdict(cfg.data).items()
             if k not in how and not (k in ("regenerate_server", "regen_model") and not v)

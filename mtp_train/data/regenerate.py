@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -61,12 +62,12 @@ from tqdm.auto import tqdm
 
 from mtp_train.data.regen_engines import choose, stopped, vllm_rounds
 from mtp_train.data.sources import Record
-from mtp_train.files import space_for, write_atomic
+from mtp_train.files import data_cache_dir, space_for, write_atomic
 from mtp_train.inference.config import SamplingConfig
 from mtp_train.inference.load import stop_tokens
 from mtp_train.inference.runner import load_runner
 from mtp_train.inference.speculative import generate
-from mtp_train.model.target import resolve_device, target_fingerprint
+from mtp_train.model.target import resolve_device, target_fingerprint, tokenizer_hash
 from mtp_train.preempt import Preempted, StopRequests
 
 if TYPE_CHECKING:
@@ -295,6 +296,15 @@ def regenerate(cfg: "RunConfig", tokenizer, samples: list[tuple[Record, str]],
                 "target": {"path": str(Path(cfg.target.path).resolve()),
                            "fingerprint": target_fingerprint(cfg.target.path), "dtype": choice.dtype},
                 "engine": engine, "sampling": sampling, "seed": cfg.seed}
+    cache = cached_journal(identity, cfg) if data.regen_cache else None
+    if cache is not None and not path.exists() and cache.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            shutil.copyfile(cache, path)
+            print(f"regenerate: replies made before for these inputs, from {cache}")
+        except OSError as e:  # e.g. no room for the copy: regenerate instead, as if there were no cache
+            path.unlink(missing_ok=True)
+            print(f"regenerate: the replies kept in {cache} could not be copied ({e}); regenerating")
     journal = Journal(path, identity, data.overwrite, about=choice.describe())
     try:
         with ExitStack() as closing:
@@ -312,9 +322,41 @@ def regenerate(cfg: "RunConfig", tokenizer, samples: list[tuple[Record, str]],
                 reply_round = _local(cfg, tokenizer, choice.dtype)
             out, report = _rounds(cfg, tokenizer, convs, turns, samples, journal, reply_round, how, described,
                                   "chunk of replies" if choice.engine == "vllm" else "batch of replies")
+        if cache is not None and path.is_file():  # no journal: nothing was regenerated (text sources only)
+            keep_in_cache(path, cache)
         return out, {**report, "engine_choice": choice.describe()}
     finally:
         journal.close()
+
+
+CACHE = "regenerated"  # under the data cache ($MTP_TRAIN_DATA): journals by the sha256 of their identity
+
+
+def cached_journal(identity: dict, cfg: "RunConfig") -> Path:
+    """Where a finished journal of these inputs is kept for another run directory on this machine
+    (`data.regen_cache`): keyed by its identity (conversations, sources, target, engine, sampling, seed) and what
+    else shapes a reply that the identity leaves to the run directory: the tokenizer and its chat template, the
+    target's generation config (its stop tokens), its weight files' bytes' dates, and data.max_length (vLLM sends
+    no prompt longer)."""
+    target = Path(cfg.target.path)
+    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in target.glob("*.safetensors"))
+    generation = target / "generation_config.json"
+    extra = {"tokenizer": tokenizer_hash(cfg.target.path), "max_length": cfg.data.max_length, "weights": weights,
+             "generation_config": generation.read_text() if generation.is_file() else None}
+    key = hashlib.sha256(json.dumps([identity, extra], sort_keys=True, default=str).encode()).hexdigest()
+    return data_cache_dir() / CACHE / f"{key}.jsonl"
+
+
+def keep_in_cache(path: Path, cache: Path) -> None:
+    """A copy of the finished journal in the cache (written beside it, then renamed: never half a file)."""
+    tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, cache)
+    except OSError as e:  # the dataset does not depend on the cache: say so and go on
+        tmp.unlink(missing_ok=True)
+        print(f"regenerate: could not keep a copy of {path} in {cache.parent} ({e}); the dataset is not affected")
 
 
 def _recorded(path: Path) -> dict:

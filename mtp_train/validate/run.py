@@ -82,12 +82,16 @@ def run(cfg: "RunConfig") -> dict:
     return report
 
 
-def prompt_sets(v: ValidateConfig, data_dir: Path, tokenizer, role: str = "dev") -> list[PromptSet]:
+def prompt_sets(v: ValidateConfig, data_dir: Path, tokenizer, role: str = "dev", whole: bool = False
+                ) -> list[PromptSet]:
     """The dev sets (`validate.prompts`) or the test sets (`validate.test_prompts`), rendered for the target (the
-    run's own held-out prompts come from its prepared data in `data_dir`); none without decoding."""
+    run's own held-out prompts come from its prepared data in `data_dir`); no dev set without decoding, unless
+    `whole` (every prompt of every dev set: what the test report checks its prompts against)."""
     names, n = (v.prompts, v.num_prompts) if role == "dev" else (v.test_prompts, v.test_num_prompts)
-    if role == "dev" and not n:
+    if role == "dev" and not n and not whole:
         return []
+    if whole:  # the recipe set is the val split, which the check reads as it is
+        names = [x for x in names if x != "recipe"]
     sets = [load_prompts(spec, data_dir, tokenizer, n, v.max_prompt_tokens, role) for spec in names]
     for s in sets:
         if not s.prompts:
