@@ -711,3 +711,25 @@ def test_preparing_again_with_settings_that_keep_the_replies_reuses_the_journal(
     assert asked == 12 and len(stub.requests) == 12  # nothing asked again
     assert m["regenerate"]["turns_from_journal"] == 12 and m["counts"]["truncated"] > 0
     assert (tmp_path / "run" / "data" / "regenerate.jsonl").is_file()
+
+
+def test_decontaminate_drops_conversations_that_overlap_held_out_prompts(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTP_TRAIN_PROMPTS", str(tmp_path / "no-prompts"))  # MT-bench not fetched: unchecked
+    held = ["Explain how a transistor amplifies a signal, step by step, for a beginner.",
+            "Write a short poem about the sea in the style of a pirate."]
+    dev_file = _write_jsonl(tmp_path / "dev.jsonl", [{"turns": [held[0]]}])
+    test_file = _write_jsonl(tmp_path / "test.jsonl", [{"turns": [held[1]]}])
+    convs = [{"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "a reply"}]}
+             for text in ["Please: " + held[0].upper(), "What is the capital of France?",
+                          "write a short poem about the sea in the style of a pirate, with rhymes"]]
+    source = _write_jsonl(tmp_path / "c.jsonl", convs)
+    cfg = _cfg(tmp_path, [SourceConfig(path=str(source), split="train")], "data.decontaminate=true",
+               f"validate.prompts=[recipe,{dev_file}]", f"validate.test_prompts=[{test_file},mt-bench-test]")
+    m = prep.run(cfg)
+    d = m["decontaminate"]
+    assert d["dropped"] == 2 and d["dropped_by_source"] == {0: 2}
+    assert d["checked"] == [str(dev_file), str(test_file)] and d["unchecked"] == ["mt-bench-test"]
+    assert any("contained 100%" in e and "dev.jsonl" in e for e in d["examples"])
+    assert m["splits"]["train"]["samples"] == 1
+    plain = prep.run(_cfg(tmp_path / "p", [SourceConfig(path=str(source), split="train")]))
+    assert "decontaminate" not in plain and plain["splits"]["train"]["samples"] == 3

@@ -27,10 +27,12 @@ def test_overlap_finds_copies_inside_longer_texts_and_near_duplicates():
     assert index.find("What is the capital of France?", "test 3") is None
     exact = index.find("explain how a transistor amplifies a signal step by step for a beginner", "test 4")
     assert exact.kind == "same"
-    index.add("User: hi. Please continue writing the story now.", "train row 2")
-    assert index.find("hi", "short") is None  # fewer than MIN_WORDS words: only an equal text counts
-    assert index.find("continue writing the story", "four words").kind == "contained"
-    assert index.find("continue the story", "not whole") is None
+    index.add("User: hi. Please continue writing the story now, with a dragon.", "train row 2")
+    index.add("Continue writing the story", "train row 3")
+    assert index.find("hi", "short") is None  # fewer than NGRAM words: only an equal text counts
+    assert index.find("continue writing the story!", "four words").other == "train row 3"
+    assert index.find("please continue writing the story now", "five words").kind == "contained"
+    assert [o.other for o in index.matches("continue writing the story now with a dragon", "m")] == ["train row 2"]
     assert [o.prompt for o in overlap.overlaps([("a pirate poem", "x"), ("write a poem about the sea in the style "
                                                                           "of a pirate", "y")], index)] == ["y"]
 

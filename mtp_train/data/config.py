@@ -73,6 +73,8 @@ class DataConfig:
     synth_temperature: float = 1.0  # sampling temperature of the prompts (> 0: greedy would write one prompt)
     synth_max_new_tokens: int = 128  # longest prompt; one without its end-of-turn token by then is dropped
     synth_system: str = ""  # the system prompt before the user header; "" = the chat template's default (or none)
+    # drop a conversation whose prompt overlaps a prompt of validate.prompts / validate.test_prompts (decontaminate.py)
+    decontaminate: bool = False
     overwrite: bool = False  # replace an existing run_dir/data made with another config
 
     def __post_init__(self) -> None:

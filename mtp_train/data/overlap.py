@@ -8,13 +8,14 @@ The rule (the one place it lives):
     normalised text   = the words (runs of letters and digits), case-folded, joined by one space
     prompt key        = sha256 of the normalised text
     same              = equal keys
-    contained         = the prompt's normalised text, MIN_WORDS words or more, found whole (at word boundaries)
-                        in the other's
     shingles          = the set of NGRAM consecutive normalised words (a text shorter than NGRAM words: none)
+    contained         = the prompt's normalised text found whole (at word boundaries) in the other's, and
+                        near-duplicate as below
     near-duplicate    = |shingles(prompt) ∩ shingles(other)| >= CONTAINMENT * |shingles(prompt)|
 
 Containment, not Jaccard: a prompt copied into a longer conversation (a system turn, other turns around it)
-is still found. A prompt of fewer than MIN_WORDS words ("hi", "go on") only counts when it is the same text.
+is still found. A prompt of fewer than NGRAM words ("hi", "write a python script") only counts when it is the
+same text: a short phrase inside a longer request is not that request.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 
 NGRAM = 5  # words per shingle
 CONTAINMENT = 0.5  # share of a prompt's shingles found in one other text that makes it a near-duplicate
-MIN_WORDS = 3  # a shorter prompt overlaps only an equal text
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 
@@ -83,26 +83,26 @@ class TextIndex:
         holds the largest share of its shingles (the text itself contained in it, or a near-duplicate)."""
         if (i := self.keys.get(prompt_key(text))) is not None:
             return Overlap(where, self.where[i], "same", 1.0)
-        norm = normalise(text)
-        if len(norm.split()) < MIN_WORDS:
-            return None
+        found = self.matches(text, where, containment)
+        return max(found, key=lambda o: o.share) if found else None
+
+    def matches(self, text: str, where: str, containment: float = CONTAINMENT) -> list[Overlap]:
+        """Every indexed text that `text` overlaps (equal keys, or the shingle share; in index order)."""
+        same = [i for i, n in enumerate(self.normalised) if n == normalise(text)] \
+            if prompt_key(text) in self.keys else []
         mine = shingles(text)
-        if not mine:  # MIN_WORDS..NGRAM-1 words: whole, at word boundaries, in some text
-            padded = f" {norm} "
-            i = next((i for i, other in enumerate(self.normalised) if padded in f" {other} "), None)
-            return None if i is None else Overlap(where, self.where[i], "contained", 1.0)
         hits: dict[int, int] = defaultdict(int)
         for s in mine:
             for i in set(self.by_shingle.get(s, ())):
                 hits[i] += 1
-        if not hits:
-            return None
-        best = max(hits, key=lambda i: (hits[i], -i))
-        share = hits[best] / len(mine)
-        if share < containment:
-            return None
-        kind = "contained" if f" {norm} " in f" {self.normalised[best]} " else "near"
-        return Overlap(where, self.where[best], kind, share)
+        norm = f" {normalise(text)} "
+        out = [Overlap(where, self.where[i], "same", 1.0) for i in same]
+        for i in sorted(hits):
+            share = hits[i] / len(mine)
+            if i not in same and share >= containment:
+                kind = "contained" if norm in f" {self.normalised[i]} " else "near"
+                out.append(Overlap(where, self.where[i], kind, share))
+        return out
 
 
 def overlaps(prompts: list[tuple[str, str]], index: TextIndex, limit: int = 0) -> list[Overlap]:

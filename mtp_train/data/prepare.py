@@ -31,6 +31,8 @@ from tqdm.auto import tqdm
 from mtp_train import __version__
 from mtp_train.data import synthesize as synth
 from mtp_train.data.chat import BadRecord, Tokenized, tokenize_conversation, tokenize_text
+from mtp_train.data.decontaminate import RULE_VERSION as DECONTAMINATE_RULE
+from mtp_train.data.decontaminate import decontaminate
 from mtp_train.data.regenerate import regenerate
 from mtp_train.data.sources import Record, Skipped, check_exists, file_digests, read_source
 from mtp_train.files import replace_dir, space_for, write_json
@@ -60,6 +62,11 @@ def config_hash(cfg: "RunConfig", sources: list) -> str:
             and not (k in REGEN_ADDED and (v == REGEN_ADDED[k] or not cfg.data.regenerate))}
     # a source's `turns` only when not the default (a dataset prepared before it existed keeps its hash)
     data["sources"] = [{k: v for k, v in s.items() if not (k == "turns" and v == "all")} for s in data["sources"]]
+    if cfg.data.decontaminate:  # what the data is kept apart from
+        data["held_out"] = {"rule": DECONTAMINATE_RULE, "dev": list(cfg.validate.prompts),
+                            "test": list(cfg.validate.test_prompts)}
+    else:
+        data.pop("decontaminate", None)  # a dataset prepared before the key existed keeps its hash
     payload = {"data": data, "seed": cfg.seed,
                "tokenizer": tokenizer_hash(cfg.target.path), "sources": sources}
     if cfg.data.regenerate:
@@ -269,6 +276,13 @@ def _run(cfg: "RunConfig") -> dict:
         if synth.wanted(src):
             written[i], prompts = synth.synthesize(cfg, tokenizer, src)
     samples, manifest = collect(cfg, written)
+    if data.decontaminate:  # before regenerating: no reply is written for a conversation that is dropped
+        samples, manifest["decontaminate"] = decontaminate(samples, list(cfg.validate.prompts),
+                                                           list(cfg.validate.test_prompts))
+        print(f"prepare: {manifest['decontaminate']['dropped']} conversations overlap a held-out prompt and are "
+              f"dropped (checked: {', '.join(manifest['decontaminate']['checked']) or 'none'}"
+              + (f"; unchecked, not fetched: {', '.join(manifest['decontaminate']['unchecked'])}"
+                 if manifest["decontaminate"]["unchecked"] else "") + ")")
     regen = None
     if data.regenerate:  # before weighting, so a repeated conversation is generated once
         rewritten, regen = regenerate(cfg, tokenizer, [(r, s) for _, r, s in samples], sources)
