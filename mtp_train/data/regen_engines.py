@@ -129,6 +129,16 @@ def chunks(prompts: list[list[int]], skip, size: int) -> list[list[int]]:
     return [order[a:a + size] for a in range(0, len(order), size)]
 
 
+def commit_replies(journal, round_: int, turns: list, replies: list[list[int]], tokenizer, bar, requests,
+                   what: str) -> None:
+    """Replies that finished together (token ids, stop token removed) into the journal at once, the progress bar
+    moved on; a stop request then ends prepare with `what` committed."""
+    journal.commit(round_, [(*t, tokenizer.decode(r, skip_special_tokens=True), len(r)) for t, r in zip(turns, replies)])
+    bar(len(turns), sum(map(len, replies)))
+    if requests.requested:
+        raise Preempted(stopped(requests, journal, what))
+
+
 def stopped(requests: StopRequests, journal, what: str) -> str:
     return (f"prepare: stopped on request ({requests.requested}) after {what}; {len(journal.replies)} regenerated "
             f"replies are committed to {journal.path}: the same command goes on from there")
@@ -167,10 +177,7 @@ def vllm_rounds(cfg: "RunConfig", tokenizer, choice: EngineChoice, closing: Exit
             tokens, _ = worker.generate([prompts[j] for j in chunk], data.regen_max_new_tokens,
                                         data.regen_temperature, seeds, stop)
             replies = [t[:-1] if t and t[-1] in stop else t for t in tokens]
-            journal.commit(k, [(*todo[j], tokenizer.decode(r, skip_special_tokens=True), len(r))
-                               for j, r in zip(chunk, replies)])
-            bar(len(chunk), sum(map(len, replies)))
-            if requests.requested:
-                raise Preempted(stopped(requests, journal, "the chunk in flight"))
+            commit_replies(journal, k, [todo[j] for j in chunk], replies, tokenizer, bar, requests,
+                           "the chunk in flight")
 
     return reply_round

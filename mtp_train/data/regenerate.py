@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from mtp_train.data.regen_engines import choose, stopped, vllm_rounds
+from mtp_train.data.regen_engines import choose, commit_replies, stopped, vllm_rounds
 from mtp_train.data.sources import Record
 from mtp_train.files import data_cache_dir, space_for, write_atomic
 from mtp_train.inference.config import SamplingConfig
@@ -401,11 +401,7 @@ def _local(cfg: "RunConfig", tokenizer, dtype: str):
         for b, replies in decode_batches(runner, prompts, [batches[j] for j in left],
                                          max_new_tokens=data.regen_max_new_tokens, temperature=data.regen_temperature,
                                          stop=stop, seeds=[batch_seed(cfg.seed, k, j) for j in left]):
-            journal.commit(k, [(*todo[i], tokenizer.decode(r, skip_special_tokens=True), len(r))
-                               for i, r in zip(b, replies)])
-            bar(len(b), sum(map(len, replies)))
-            if requests.requested:
-                raise Preempted(stopped(requests, journal, "the batch in flight"))
+            commit_replies(journal, k, [todo[i] for i in b], replies, tokenizer, bar, requests, "the batch in flight")
 
     return reply_round
 
