@@ -1,5 +1,6 @@
 """The data-scaling curve: the same head and epochs trained on nested subsets of one regenerated dataset, each
-judged by one greedy pass at k = 3 over the test prompt sets (untimed), the largest also timed against the target.
+judged by one greedy pass at k = 3 over the test prompt sets (untimed; its output checked against the target
+alone's, decoded once for every size), the largest also timed against the target.
 
     .venv/bin/python benchmarks/data_scaling.py --recipe smollm2-135m-chat --sizes 300 600 1200 2400
     .venv/bin/python benchmarks/data_scaling.py --recipe smollm2-135m-chat --table    # the table and plot only
@@ -117,7 +118,8 @@ def size_run(args, n: int, full: Path, epochs: float, largest: bool) -> dict:
             "processor": processor_name(), "threads": os.cpu_count(), "seconds": seconds,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "sets": {s["name"]: {"tau3": s["tau"], "acceptance_by_position": s["acceptance_by_position"],
-                                 "num_prompts": s["num_prompts"]} for s in untimed["sets"]},
+                                 "num_prompts": s["num_prompts"],
+                                 "greedy_identical_prompts": s["greedy_identical_prompts"]} for s in untimed["sets"]},
             "timed": None if timed is None else {s["name"]: {k: s[k] for k in ("tau", "speedup", "implied_tau",
                                                                               "greedy_identical_prompts", "num_prompts")}
                                                  for s in timed["sets"]},

@@ -5,6 +5,8 @@ import contextlib
 import hashlib
 import io
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -160,6 +162,11 @@ def test_the_test_report_runs_at_the_chosen_setting_and_keeps_every_run(trained_
     (untimed,) = runs[2]["sets"]
     assert not untimed["timed"] and "speedup" not in untimed and len(untimed["acceptance_by_position"]) == 2
     assert untimed["tau"]["value"] == pytest.approx(s["tau"]["value"])  # the same greedy pass, untimed
+    assert untimed["greedy_identical_prompts"] == s["greedy_identical_prompts"]  # against the target's own outputs
+    assert [m["position"] for m in untimed["greedy_mismatches"]] == [
+        m["position"] for m in s["greedy_mismatches"] if m["pass"] == "chosen setting"]
+    cached = list((Path(os.environ["MTP_TRAIN_DATA"]) / "target-greedy").glob("*.json"))
+    assert len(cached) == 1 and len(json.loads(cached[0].read_text())["tokens"]) == 3  # the target decoded once
 
 
 def test_a_greedy_mismatch_names_its_position_and_the_logit_gap(trained_run, tiny_dir):

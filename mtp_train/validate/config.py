@@ -42,7 +42,7 @@ class ValidateConfig:
     test_num_prompts: int = 0
     test_k: int = 3
     test_tree: str = ""  # e.g. "3/2/4"; "" = the chain test_k
-    test_speed: bool = True  # false: the head alone at the chosen setting, untimed (tau, acceptance; no identity)
+    test_speed: bool = True  # false: the head at the chosen setting, untimed (tau, acceptance, identity)
     # a row measured below 0.5x or above 1.5x of its prediction, above its tau, or between target-only rounds that
     # spread more than 15% is timed again, up to this many times; one that stays so is flagged `suspect`
     retimes: int = 2

@@ -21,6 +21,7 @@ Before any decoding, the dev and test prompts are checked against the training d
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import subprocess
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mtp_train.data.prompt_sets import PromptSet
-from mtp_train.files import sha256_file, write_json
+from mtp_train.files import data_cache_dir, sha256_file, write_json
 from mtp_train.inference.config import SamplingConfig, tree_label
 from mtp_train.inference.load import check_drafter, load_head, stop_tokens
 from mtp_train.inference.runner import CausalLMRunner, load_runner
@@ -156,7 +157,11 @@ def test_set(cfg: "RunConfig", target: CausalLMRunner, drafter, s: PromptSet, st
         return tokens[0], stats
 
     if not v.test_speed:
-        return untimed_set(s, [one(drafter, k, p, tree)[1] for p in s.prompts], cfg.seed)
+        bases = target_greedy(cfg, target, s, stop, lambda p: one(None, 0, p)[0])
+        done = [one(drafter, k, p, tree) for p in s.prompts]
+        mismatches = [mismatch(target, p, base, mine, i, "mine")
+                      for i, (p, base, (mine, _)) in enumerate(zip(s.prompts, bases, done)) if mine != base]
+        return untimed_set(s, [stats for _, stats in done], cfg.seed, mismatches)
     for p in s.prompts[:2]:  # warm-up: first calls allocate
         one(None, 0, p), one(drafter, k, p, tree)
     rows = []
@@ -193,8 +198,40 @@ def test_set(cfg: "RunConfig", target: CausalLMRunner, drafter, s: PromptSet, st
                                                  "identical", "identical_k5")} for r in rows]}
 
 
-def untimed_set(s: PromptSet, stats: list, seed: int) -> dict:
-    """`validate.test_speed=false`: the head's pass at the chosen setting only: τ and acceptance by position."""
+TARGET_CACHE = "target-greedy"  # under the data cache ($MTP_TRAIN_DATA): the target alone's greedy outputs
+
+
+def target_greedy(cfg: "RunConfig", target: CausalLMRunner, s: PromptSet, stop: set[int], decode) -> list[list[int]]:
+    """The target alone's greedy output on each prompt of `s` (`decode(prompt) -> tokens`): the reference the
+    untimed pass checks greedy identity against. Kept in $MTP_TRAIN_DATA/target-greedy by what shapes it (the
+    prompts' token ids, the target's weight files' names, sizes and dates, dtype, device, processor, torch,
+    max_new_tokens, the stop tokens), so the sizes of the data-scaling curve decode the target once."""
+    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                     for f in Path(cfg.target.path).glob("*.safetensors"))
+    key = hashlib.sha256(json.dumps({
+        "prompts": s.prompts, "target": str(Path(cfg.target.path).resolve()), "weights": weights,
+        "dtype": cfg.target.dtype, "device": str(target.device), "processor": processor_name(),
+        "torch": torch.__version__, "max_new_tokens": cfg.validate.max_new_tokens, "stop": sorted(stop)},
+        sort_keys=True).encode()).hexdigest()
+    path = data_cache_dir() / TARGET_CACHE / f"{key}.json"
+    try:
+        tokens = json.loads(path.read_text())["tokens"]
+        if len(tokens) == len(s.prompts):
+            return tokens
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: decode again
+        pass
+    tokens = [decode(p) for p in s.prompts]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"set": s.name, "tokens": tokens})
+    except OSError as e:  # the report does not depend on the cache
+        print(f"test: could not keep the target's outputs in {path.parent} ({e}); the report is not affected")
+    return tokens
+
+
+def untimed_set(s: PromptSet, stats: list, seed: int, mismatches: list[dict]) -> dict:
+    """`validate.test_speed=false`: the head's pass at the chosen setting only: τ and acceptance by position, and
+    its output checked against the target alone's (`target_greedy`)."""
     total = stats[0]
     for x in stats[1:]:
         total = total.add(x)
@@ -202,7 +239,8 @@ def untimed_set(s: PromptSet, stats: list, seed: int) -> dict:
             "mean_prompt_tokens": sum(map(len, s.prompts)) / len(s.prompts), "new_tokens": total.new_tokens,
             "tau": ratio_interval([x.emitted for x in stats], [x.steps for x in stats], seed),
             "acceptance_by_position": total.acceptance_by_position,
-            "greedy_mismatches": None,  # not checked: no target-alone pass
+            "greedy_identical_prompts": len(stats) - len({m["prompt"] for m in mismatches}),
+            "greedy_mismatches": mismatches,
             "per_prompt": [{"steps": x.steps, "emitted": x.emitted, "new_tokens": x.new_tokens} for x in stats]}
 
 
@@ -251,7 +289,8 @@ def format_test(report: dict) -> str:
         if not x.get("timed", True):
             accept = " ".join(f"{a:.2f}" for a in x["acceptance_by_position"])
             lines.append(f"  {x['name']:<16}{x['num_prompts']:>8}{t['value']:>8.2f} [{t['low']:.2f}, {t['high']:.2f}]"
-                         f"  untimed; acceptance by position {accept}")
+                         f"  untimed; acceptance by position {accept}; greedy "
+                         f"{x['greedy_identical_prompts']}/{x['num_prompts']}")
             continue
         sp = x["speedup"]
         implied = " ".join(f"{v:.2f}" for v in x["implied_tau"])
