@@ -650,7 +650,15 @@ def test_a_journal_cut_short_drops_its_last_line_and_goes_on(tmp_path, capsys):
     last = len(json.loads(lines[-1])["replies"])  # the replies that finished together, committed together
     assert f"regenerate.jsonl:{len(lines)}: dropping a last line cut short" in capsys.readouterr().out
     assert m["regenerate"]["turns_from_journal"] == 12 - last and len(stub.requests) == last
-    assert (data / "regenerate.jsonl").read_bytes() == whole and _dataset_digest(data) == before
+    # the same replies and dataset; not the same bytes: replies that finish together are committed together, and
+    # which do depends on timing (a loaded machine can see two of the sequential requests finish in one wake-up)
+    again = (data / "regenerate.jsonl").read_bytes().split(b"\n")[:-1]
+    assert again[0] == lines[0] and _replies(again[1:]) == _replies(lines[1:]) and _dataset_digest(data) == before
+
+
+def _replies(lines: list[bytes]) -> list:
+    """A journal's committed replies in order, whatever lines they were committed in."""
+    return [r for line in lines for r in json.loads(line)["replies"]]
 
 
 def test_a_journal_of_other_inputs_or_settings_is_refused_naming_both_sides(tmp_path, capsys):
