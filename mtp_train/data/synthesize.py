@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
+from mtp_train.data import overlap
 from mtp_train.data.regenerate import Journal, decode_batches
 from mtp_train.data.sources import Record
 from mtp_train.inference.load import stop_tokens
@@ -118,16 +118,10 @@ def user_prefix(tokenizer, system: str = "", where: str = "the target's tokenize
 
 
 # -- the filters -----------------------------------------------------------------------------------------------
-def _words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
-
-
 def shingles(text: str) -> frozenset:
-    """The prompt's word NGRAM-grams (lowercased; a shorter prompt: its words as one)."""
-    w = _words(text)
-    if len(w) < NGRAM:
-        return frozenset([tuple(w)])
-    return frozenset(tuple(w[i:i + NGRAM]) for i in range(len(w) - NGRAM + 1))
+    """The prompt's word NGRAM-grams, as the overlap check reads words (case-folded); a shorter prompt: its words
+    as one."""
+    return frozenset(overlap.shingles(text, NGRAM) or {overlap.normalise(text)})
 
 
 def drop_reason(text: str, ended: bool, special: list[str]) -> str | None:
@@ -140,7 +134,7 @@ def drop_reason(text: str, ended: bool, special: list[str]) -> str | None:
         return "too_short"
     if not any(c.isalpha() for c in text):
         return "no_letters"
-    w = _words(text)
+    w = overlap.normalise(text).split()
     grams = [tuple(w[i:i + NGRAM]) for i in range(len(w) - NGRAM + 1)]
     if len(grams) >= MIN_NGRAMS and 1 - len(set(grams)) / len(grams) > MAX_REPEATED:
         return "repetitive"
