@@ -2,7 +2,11 @@
 applied at run time (nothing of SpecForge is edited or copied):
 
     .venv-specforge/bin/python benchmarks/peers/run_specforge.py --peers PEERS.json --work DIR --record OUT.json \\
-        [--steps 2 --batch 8 --lr 2e-3 --warmup-steps 1 --ttt 7 --max-grad-norm 1.0] [-- DOTTED.OVERRIDES=...]
+        [--steps 2 --batch 8] [--lr 2e-3 --warmup-steps 1 --ttt 7 --max-grad-norm 1.0] [-- DOTTED.OVERRIDES=...]
+
+`--lr`, `--warmup-steps`, `--ttt` and `--max-grad-norm` left out leave SpecForge's own defaults (its
+`TrainingConfig`: lr 1e-4, warm-up 1.5% of the steps, TTT length 7, gradient clipping 0.5); dotted overrides after
+`--` go to `specforge train` as they are (e.g. `training.lk_loss_type=lambda`, its LK loss).
 
 PEERS.json is what `benchmarks/peers/write.py` wrote (the features, the draft vocabulary, the target). DIR receives
 the run's files: `run.yaml` (SpecForge's typed config, with our settings), `draft.json` (the draft config: the
@@ -84,10 +88,12 @@ def run_yaml(args, peers: dict, work: Path) -> Path:
         "data": {"hidden_states_path": peers["specforge"]["train"], "max_length": args.max_length,
                  "dataloader_num_workers": 0, "cache_dir": str(work / "cache")},
         "training": {"max_steps": args.steps, "total_steps": args.steps, "batch_size": args.batch,
-                     "learning_rate": args.lr, "warmup_ratio": args.warmup_steps / args.steps,
-                     "max_grad_norm": args.max_grad_norm, "ttt_length": args.ttt, "attention_backend": "sdpa",
-                     "fsdp_sharding": "NO_SHARD", "log_interval": 1, "norm_before_residual": args.norm_before_residual,
-                     "seed": args.seed, "num_epochs": args.epochs},
+                     "attention_backend": "sdpa", "fsdp_sharding": "NO_SHARD", "log_interval": 1,
+                     "norm_before_residual": args.norm_before_residual, "seed": args.seed, "num_epochs": args.epochs,
+                     **{key: value for key, value in (  # left out: SpecForge's own default
+                         ("learning_rate", args.lr), ("max_grad_norm", args.max_grad_norm), ("ttt_length", args.ttt),
+                         ("warmup_ratio", None if args.warmup_steps is None else args.warmup_steps / args.steps))
+                        if value is not None}},
         "output_dir": str(work / "output"),
     }
     path = work / "run.yaml"
@@ -156,10 +162,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup-steps", type=int, default=1)
-    ap.add_argument("--ttt", type=int, default=7)
-    ap.add_argument("--max-grad-norm", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=None, help="default: SpecForge's")
+    ap.add_argument("--warmup-steps", type=int, default=None, help="default: SpecForge's warm-up ratio")
+    ap.add_argument("--ttt", type=int, default=None, help="default: SpecForge's TTT length")
+    ap.add_argument("--max-grad-norm", type=float, default=None, help="default: SpecForge's")
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)

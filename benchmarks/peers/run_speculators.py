@@ -12,7 +12,8 @@ Adjustments (each recorded in OUT.json with how often it ran):
   (speculators falls back to "cuda");
 - flags the caller passes (checked here): `--draft-attn-impl sdpa` (flex attention has no CPU backward),
   `--loss-implementation eager` (the fused loss needs Triton), `--mask-token-id N` (the tokenizer names none).
-The record also holds each optimizer step's end time and real (unpadded) tokens, for tokens/s, and the spans
+The record also holds each optimizer step's end time and real (unpadded) tokens (its validation batches left out:
+a run over several epochs validates between them), for tokens/s, and the spans
 spent in its per-epoch checkpointing and validation (`outside_s`), which tokens/s leaves out as ours leaves out
 its evaluations.
 """
@@ -70,24 +71,32 @@ def adjust(adj: Adjustments, steps: list[dict], tokens: list[int], outside: list
     adj.replace("speculators.train.trainer:Trainer._optimizers_step", "records each step's end time (timing only)",
                 step)
 
-    def span(orig):  # the time between steps that is not training: checkpoints and validation
+    validating = []  # not empty while a validation epoch runs: its batches' tokens are no training step's
+
+    def span(orig, validation=False):  # the time between steps that is not training: checkpoints and validation
         def timed(self, *args, **kwargs):
             t0 = time.perf_counter()
+            if validation:
+                validating.append(True)
             try:
                 return orig(self, *args, **kwargs)
             finally:
+                if validation:
+                    validating.pop()
                 outside.append([t0, time.perf_counter()])
         return timed
 
     for name in ("maybe_save_checkpoint", "val_epoch", "maybe_update_best"):
         adj.replace(f"speculators.train.trainer:Trainer.{name}",
-                    "records the span it takes between training steps (timing only)", span)
+                    "records the span it takes between training steps (timing only)",
+                    lambda orig, v=name == "val_epoch": span(orig, v))
     del tr
 
-    def collate(orig):  # the real (unpadded) tokens of each packed batch, in order (num_workers 0: in process)
+    def collate(orig):  # each packed training batch's real (unpadded) tokens, in order (num_workers 0: in process)
         def __call__(self, batch):
             out = orig(self, batch)
-            tokens.append(int((out["document_ids"] != -1).sum()))
+            if not validating:
+                tokens.append(int((out["document_ids"] != -1).sum()))
             return out
         return __call__
 
@@ -107,7 +116,7 @@ def main() -> None:
                                      "--loss-implementation": "the fused loss needs Triton"}[flag])
     adj.note("--mask-token-id", "the verifier's tokenizer names no mask token")
     steps: list[dict] = []
-    tokens: list[int] = []  # train batches first, then the validation batches
+    tokens: list[int] = []  # each training batch's (validation batches left out)
     outside: list[list[float]] = []
     adjust(adj, steps, tokens, outside)
     from speculators.train.cli import main as train

@@ -171,26 +171,34 @@ def speed(ends: list[float], tokens: list[int], outside: list[list[float]] = ())
             "tokens_per_step": sum(tokens) / len(tokens), "first_step_s": None, "left_out_s": left_out}
 
 
-def speculators(args, peers: dict, work: Path, name: str = "speculators", norms: bool = False) -> dict:
+def speculators_settings(args, norms: bool = False) -> list[str]:
+    """speculators' flags for the matched settings (the module docstring), with or without its norm options."""
+    return ["--optimizer", "adamw", "--weight-decay", "0", "--lr", str(args.lr), "--scheduler-type", "cosine",
+            "--scheduler-warmup-steps", str(args.warmup), "--scheduler-total-steps", str(args.steps),
+            "--ttt-steps", str(args.depth), "--ttt-step-loss-decay", "0.8", "--loss-fn", "kl_div",
+            *(["--norm-before-residual", "--norm-before-fc", "--norm-output"] if norms
+              else ["--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"])]
+
+
+def speculators(args, peers: dict, work: Path, name: str = "speculators", norms: bool = False,
+                settings: list[str] | None = None, seq: int | None = None, epochs: int | None = None) -> dict:
+    """speculators trained in work/name: the data, vocabulary, CPU and step flags here, its training settings
+    `settings` (default: the matched ones), rows of `seq` tokens (default: micro_batch x the mean train length)
+    over `epochs` epochs (default: those that hold the steps at `seq` tokens a row)."""
     out = work / name
     record = out / "record.json"
-    seq = int(round(args.micro_batch * peers["mean_train_length"]))
+    settings = speculators_settings(args, norms) if settings is None else settings
+    seq = seq or int(round(args.micro_batch * peers["mean_train_length"]))
     # speculators runs every one of --epochs, one step each past --max-steps (its loop checks max_steps after a
     # step): exactly the epochs that hold the steps, so its last checkpoint is the one at --max-steps
-    epochs = math.ceil(args.steps * seq / peers["tokens"]["train"])
+    epochs = epochs or math.ceil(args.steps * seq / peers["tokens"]["train"])
     cmd = [str(ROOT / ".venv-speculators" / "bin" / "python"), str(HERE / "run_speculators.py"), "--record",
            str(record), "--", "--verifier-name-or-path", peers["target"], "--data-path", peers["speculators"]["dir"],
            "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
            "--draft-vocab-size", str(peers["draft_vocab"]), "--d2t-path", peers["speculators"]["d2t"],
            "--t2d-path", peers["speculators"]["t2d"], "--target-layer-ids", *map(str, peers["aux_layers"]),
            "--num-layers", str(args.peer_layers), "--full-attention-indices", *map(str, range(args.peer_layers)),
-           "--hidden-states-dtype", "float32",
-           "--total-seq-len", str(seq), "--optimizer", "adamw", "--weight-decay", "0", "--lr", str(args.lr),
-           "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(args.warmup),
-           "--scheduler-total-steps", str(args.steps), "--ttt-steps", str(args.depth), "--ttt-step-loss-decay", "0.8",
-           "--loss-fn", "kl_div",
-           *(["--norm-before-residual", "--norm-before-fc", "--norm-output"] if norms
-             else ["--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output"]),
+           "--hidden-states-dtype", "float32", "--total-seq-len", str(seq), *settings,
            "--max-steps", str(args.steps), "--epochs", str(epochs), "--num-workers", "0", "--seed", str(args.seed),
            "--train-data-ratio", str(peers["train_data_ratio"]), "--mask-token-id", str(args.mask_token_id),
            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
@@ -198,22 +206,30 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)  # it resumes from checkpoints it finds
         run(cmd, out / "log.txt")
     rec = json.loads(record.read_text())
-    if len(rec["step_end_s"]) != args.steps:
-        raise RuntimeError(f"speculators made {len(rec['step_end_s'])} optimizer steps, not {args.steps}: see "
-                           f"{out / 'log.txt'}")
+    steps_made(rec, args.steps, "speculators", out / "log.txt")
     # its last epoch's checkpoint (the one at --max-steps), not checkpoint_best (chosen on the held-out split)
     export = max((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
     return {"export": export, "speed": speed(rec["step_end_s"], rec["step_tokens"], rec.get("outside_s", [])),
-            "adjustments": rec["adjustments"], "total_seq_len": seq, "norms": norms}
+            "adjustments": rec["adjustments"], "total_seq_len": seq, "norms": norms, "settings": cmd[5:]}
 
 
-def specforge(args, peers_json: Path, work: Path, name: str = "specforge") -> dict:
+def specforge_settings(args) -> list[str]:
+    """run_specforge.py's flags for the matched settings."""
+    return ["--lr", str(args.lr), "--warmup-steps", str(args.warmup), "--ttt", str(args.depth), "--max-grad-norm",
+            "1.0"]
+
+
+def specforge(args, peers_json: Path, work: Path, name: str = "specforge", settings: list[str] | None = None,
+              overrides: list[str] = ()) -> dict:
+    """SpecForge trained in work/name with `settings` (run_specforge.py's flags; default: the matched ones) and
+    its dotted config `overrides`."""
     out = work / name
     record = out / "record.json"
+    settings = specforge_settings(args) if settings is None else settings
     cmd = [str(ROOT / ".venv-specforge" / "bin" / "python"), str(HERE / "run_specforge.py"), "--peers",
            str(peers_json), "--work", str(out), "--record", str(record), "--steps", str(args.steps),
-           "--epochs", "100", "--batch", str(args.micro_batch), "--lr", str(args.lr), "--warmup-steps",
-           str(args.warmup), "--ttt", str(args.depth), "--max-grad-norm", "1.0", "--seed", str(args.seed)]
+           "--epochs", "100", "--batch", str(args.micro_batch), *settings, "--seed", str(args.seed),
+           *(["--", *overrides] if overrides else [])]
     export = out / "export-hf"
     stamp = out / "command.json"
     if not (args.reuse and record.is_file() and (export / "config.json").is_file() and stamp.is_file()
@@ -221,8 +237,15 @@ def specforge(args, peers_json: Path, work: Path, name: str = "specforge") -> di
         run(cmd, out / "log.txt")
         stamp.write_text(json.dumps(cmd))
     rec = json.loads(record.read_text())
+    steps_made(rec, args.steps, "SpecForge", out / "log.txt")
     return {"export": export, "speed": speed(rec["step_end_s"], rec["step_tokens"]),
-            "adjustments": rec["adjustments"], "norms": False}
+            "adjustments": rec["adjustments"], "norms": False, "settings": cmd[2:]}
+
+
+def steps_made(record: dict, asked: int, peer: str, log: Path) -> None:
+    """A peer's run must make exactly the optimizer steps asked for (its record's step end times)."""
+    if len(record["step_end_s"]) != asked:
+        raise RuntimeError(f"{peer} made {len(record['step_end_s'])} optimizer steps, not {asked}: see {log}")
 
 
 def run(cmd: list[str], log: Path) -> None:
@@ -363,19 +386,60 @@ def main() -> None:
 
 
 def save(out: Path, args, matched: list[str], peers: dict, heads: dict, judged: dict | None) -> None:
+    settings = {n: head_settings(h["export"]) if h.get("judged_only") else
+                {"trained_here": True, "argv": h.get("settings"), "overrides": h.get("overrides")}
+                for n, h in heads.items()}
+    seq = {n: h.get("total_seq_len") or flag_value(settings[n].get("argv"), "--total-seq-len")
+           for n, h in heads.items()}
     out.write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "machine": machine(torch.get_num_threads()),
         "command": command("peers/side_by_side.py", args),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "matched_overrides": matched, "not_matched": SETTINGS_NOT_MATCHED, "data": peers and {k: peers[k] for k in (
+        # a re-judging trains nothing: its command's defaults are no head's settings (each head's are below)
+        "matched_overrides": matched if any(not h.get("judged_only") for h in heads.values()) else None,
+        "not_matched": SETTINGS_NOT_MATCHED, "data": peers and {k: peers[k] for k in (
             "samples", "tokens", "mean_train_length", "aux_layers", "draft_vocab", "draft_vocab_summary")},
         "speed": {n: h["speed"] for n, h in heads.items()},
         "teacher_forced": {n: h["teacher_forced"] for n, h in heads.items() if h.get("teacher_forced")},
-        "heads": {n: {"export": str(h["export"]), "method": h.get("method", "eagle3"),
-                      "overrides": h.get("overrides"), "norms": h.get("norms")} for n, h in heads.items()},
-        "speculators_total_seq_len": heads.get("speculators", {}).get("total_seq_len"),
+        "heads": {n: {"export": str(h["export"]), "method": h.get("method", "eagle3"), "overrides": h.get("overrides"),
+                      "norms": h.get("norms"), "total_seq_len": seq[n], "settings": settings[n]}
+                  for n, h in heads.items()},
+        "speculators_total_seq_len": {n: v for n, v in seq.items() if v is not None},  # every speculators head
         "adjustments": {n: h.get("adjustments") for n, h in heads.items() if h.get("adjustments")},
         "vllm": judged}, indent=1, default=str) + "\n")
+
+
+def flag_value(argv: list[str] | None, flag: str) -> int | None:
+    """The integer after `flag` in a command line, or None."""
+    return int(argv[argv.index(flag) + 1]) if argv and flag in argv else None
+
+
+def head_settings(export: Path | None) -> dict:
+    """The settings a head already exported was trained with, read from what its trainer left beside the export:
+    ours' run dir (`trained.json`: side_by_side's overrides; its checkpoint's `config.yaml`: the resolved head and
+    train settings), speculators' `record.json` (its command line), SpecForge's `command.json` and `run.yaml`;
+    `settings: None` with the reason when none of them is there."""
+    import yaml
+
+    export = Path(str(export))
+    places = (export.parent, export.parent.parent)
+    found = {}
+    for d in places:
+        if (d / "trained.json").is_file():
+            found["overrides"] = json.loads((d / "trained.json").read_text())
+        for config in sorted(d.glob("checkpoints/*/config.yaml"))[-1:]:
+            resolved = yaml.safe_load(config.read_text())
+            found["config"] = {k: resolved.get(k) for k in ("head", "train")}
+        if (d / "record.json").is_file() and "argv" in (rec := json.loads((d / "record.json").read_text())):
+            found["argv"] = rec["argv"]
+        if (d / "command.json").is_file():
+            found["argv"] = json.loads((d / "command.json").read_text())
+        if (d / "run.yaml").is_file():
+            found["config"] = yaml.safe_load((d / "run.yaml").read_text()).get("training")
+        if found:
+            return {"read_from": str(d), **found}
+    return {"settings": None, "why": f"no trained.json, checkpoints/*/config.yaml, record.json, command.json or "
+                                     f"run.yaml in {' or '.join(map(str, places))}: made elsewhere"}
 
 
 if __name__ == "__main__":

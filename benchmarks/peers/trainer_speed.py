@@ -15,7 +15,8 @@ stay inside the first epoch of SmolLM2's 495 train samples; 150 steps (`side_by_
 epochs, where our trainer reads the target's full-vocabulary stats it kept from the first (`loss.TargetStats`);
 `--variants NAME=OVERRIDE,...` times further runs of ours (that cache off; subnormal floats kept, which our
 trainer flushes on CPUs; `head.num_layers=2` beside `--peer-layers 2`, speculators with two decoder layers),
-`--trainers` picks who runs. Writes
+`--trainers` picks who runs. Ratios are like for like by layer count: each peer against the run of ours with as many
+decoder layers (`ours_over_peer`; `ours_over_fastest_peer` is the smallest of them). Writes
 benchmarks/results/peers-trainer_speed[-<steps>][-<tag>].json (no step suffix for 20 steps) and prints the table.
 """
 
@@ -96,22 +97,41 @@ def main() -> None:
         print(f"round {r}: " + ", ".join(f"{n} {v[-1]['tokens_per_s']:.0f} tok/s" for n, v in rounds.items()),
               flush=True)
     median = {n: statistics.median(x["tokens_per_s"] for x in v) for n, v in rounds.items()}
-    peer_names = [n for n in ("speculators", "specforge") if n in median]
-    fastest_peer = max(peer_names, key=median.get) if peer_names else None
+    layers = {"ours": 1, **{f"ours-{v}": layer_count(sbs.split_overrides(o)) for v, o in variants.items()},
+              "speculators": args.peer_layers, "specforge": 1}
+    like = like_for_like(median, layers)
     print(f"\ntrainer tokens/s, {args.steps} steps x {args.micro_batch} samples, depth {args.depth}, {args.rounds} "
           f"interleaved rounds ({machine(torch.get_num_threads())})")
     for n, v in rounds.items():
         print(f"{n:<18}" + "".join(f"{x['tokens_per_s']:>9.0f}" for x in v) + f"   median {median[n]:.0f}"
-              + f"   ours / this {median['ours'] / median[n]:.2f}" * ("ours" in median))
+              + (f"   {like[n]['ours']} / this {like[n]['ratio']:.2f} ({layers[n]} layers)" if n in like else ""))
     name = "peers-trainer_speed" + ("" if args.steps == 20 else f"-{args.steps}") + (f"-{args.tag}" if args.tag else "")
     out = HERE.parent / "results" / f"{name}.json"
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": machine(torch.get_num_threads()),
                                "command": command("peers/trainer_speed.py", args), "matched_overrides": matched,
                                "variants": variants, "rounds": rounds, "median_tokens_per_s": median,
-                               "fastest_peer": fastest_peer,
-                               "ours_over_fastest_peer": median["ours"] / median[fastest_peer]
-                               if fastest_peer and "ours" in median else None}, indent=1) + "\n")
+                               "layers": {n: layers[n] for n in median}, "ours_over_peer": like,
+                               "fastest_peer": min(like, key=lambda p: like[p]["ratio"]) if like else None,
+                               "ours_over_fastest_peer": min(x["ratio"] for x in like.values()) if like else None},
+                              indent=1) + "\n")
     print(f"wrote {out}")
+
+
+def layer_count(overrides: list[str]) -> int:
+    """A run of ours' decoder layers: `head.num_layers` among its overrides, else 1 (the matched settings')."""
+    return next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("head.num_layers=")), 1)
+
+
+def like_for_like(median: dict[str, float], layers: dict[str, int]) -> dict:
+    """Each peer against the run of ours with its layer count (a one-layer run of ours is not set against a
+    two-layer peer): {peer: {"ours": run, "layers": n, "ratio": ours / peer}}; a peer with no such run of ours is
+    left out. The fastest peer is the one with the smallest ratio."""
+    out = {}
+    for peer in ("speculators", "specforge"):
+        ours = next((n for n in median if n.startswith("ours") and layers[n] == layers.get(peer)), None)
+        if peer in median and ours:
+            out[peer] = {"ours": ours, "layers": layers[peer], "ratio": median[ours] / median[peer]}
+    return out
 
 
 if __name__ == "__main__":

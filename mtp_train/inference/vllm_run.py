@@ -5,13 +5,15 @@ torchvision torchaudio torchcodec); imports nothing of mtp_train, reads our expo
     python mtp_train/inference/vllm_run.py TARGET PROMPTS.json OUT.json [METHOD DRAFT_DIR K] [--max-tokens 48]
         [--dtype float32] [--max-model-len 1024] [--temperature 0] [--seed 0] [--attention-backend NAME]
         [--max-num-seqs N] [--draft-sample-method greedy|probabilistic] [--tensor-parallel-size N]
-        [--temperatures T1 T2 ...]
+        [--temperatures T1 T2 ...] [--per-prompt]
 
 Writes to OUT.json vLLM's version, the output tokens, the seconds, vLLM's spec-decode counters and what they
 say: the verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. With
 --temperatures, one vLLM start decodes the prompts once per temperature, and OUT.json also holds `runs`, one
 entry per temperature with the same fields (the counters' increase over that run); the top-level fields are the
-first run's. When vLLM fails
+first run's. With --per-prompt and a speculative config, the prompts are decoded one request after another and each
+run also holds `per_prompt`: every prompt's own verification steps and drafts accepted by position (vLLM's
+counters are per engine, so a prompt's figures are the counters' increase over its request). When vLLM fails
 to start or to decode, OUT.json holds `error` (the exception's type and message) and the exit code is 1; a bad
 command line or an unreadable PROMPTS.json writes nothing."""
 import argparse
@@ -59,6 +61,8 @@ def main() -> None:
                          "target's probability); probabilistic: drafts sampled from the head, accepted with "
                          "min(1, p/q), as our engine does")
     ap.add_argument("--max-num-seqs", type=int, help="vLLM's batch limit (1: one request at a time)")
+    ap.add_argument("--per-prompt", action="store_true", help="decode the prompts one request after another and "
+                    "record each prompt's verification steps and accepted drafts by position")
     ap.add_argument("--attention-backend", help="vLLM's attention backend (default: vLLM's choice), e.g. CPU_MLA: "
                     "on x86 CPUs with AMX vLLM picks AMX_MLA for MLA targets, which refuses fp32 weights")
     args = ap.parse_args()
@@ -95,9 +99,20 @@ def main() -> None:
             params = SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=False,
                                     seed=args.seed if t > 0 else None)
             t0 = time.perf_counter()
-            res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+            if args.per_prompt and spec:
+                res, per = [], []
+                for p in prompts:
+                    was = per_position(counters(), k, missing_ok=True)
+                    res += llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
+                    now = per_position(counters(), k, missing_ok=True)
+                    per.append({"steps": now[0] - was[0],
+                                "accepted_per_position": [a - b for a, b in zip(now[1], was[1])]})
+            else:
+                res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
             run = {"temperature": t, "seconds": time.perf_counter() - t0,
                    "tokens": [list(r.outputs[0].token_ids) for r in res], "metrics": counters()}
+            if args.per_prompt and spec:
+                run["per_prompt"] = per
             if spec:
                 steps, accepted = per_position(run["metrics"], k)
                 run["steps"], run["accepted_per_position"] = steps - before[0], [

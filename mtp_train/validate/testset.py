@@ -245,20 +245,46 @@ def untimed_set(s: PromptSet, stats: list, seed: int, mismatches: list[dict]) ->
 
 
 def ratio_interval(num: list[float], den: list[float], seed: int, n: int = BOOTSTRAP) -> dict:
-    """sum(num) / sum(den) with its 95% bootstrap interval over the prompts (resampled with replacement)."""
-    rng = random.Random(seed)
-    m = len(num)
-    if not sum(den):
+    """sum(num) / sum(den) with its 95% bootstrap interval over the prompts (resampled with replacement): the
+    two-level interval of one seed."""
+    return seeds_interval([num], [den], seed, n)
+
+
+def seeds_interval(num: list[list[float]], den: list[list[float]], seed: int, n: int = BOOTSTRAP,
+                   stream: str = "") -> dict:
+    """Σnum / Σden over seeds s and prompts p (num[s][p]: the same prompts for every seed) with its 95% interval
+    from a two-level bootstrap (`ratio_draws`); one seed gives the one-level interval over the prompts."""
+    if not sum(map(sum, den)):
         raise ValueError("nothing to measure: every prompt stopped before its first verification step")
-    stats = []
+    return interval(sum(map(sum, num)) / sum(map(sum, den)), ratio_draws(num, den, seed, n, stream))
+
+
+def ratio_draws(num: list[list[float]], den: list[list[float]], seed: int, n: int = BOOTSTRAP,
+                stream: str = "") -> list[float | None]:
+    """n bootstrap resamples of Σnum / Σden: each draws the seeds with replacement, then the prompts with
+    replacement. The prompts are the same items under every seed, so one prompt draw serves every seed of a
+    resample (drawn from `random.Random(seed)` alone: two heads judged on the same prompts get the same prompt
+    draws, so the ratio of their draws is paired by prompt); the seed draws come from a stream of their own
+    (`stream` names it), so one seed gives exactly the one-level draws. None where a resample never took a step."""
+    prompts, seeds = random.Random(seed), random.Random(f"{seed}:seeds:{stream}")
+    m, k = len(num[0]), len(num)
+    if any(len(row) != m for row in num + den):
+        raise ValueError(f"every seed needs the same {m} prompts: got {[len(r) for r in num]} numerators and "
+                         f"{[len(r) for r in den]} denominators")
+    out = []
     for _ in range(n):
-        idx = [rng.randrange(m) for _ in range(m)]
-        d = sum(den[i] for i in idx)
-        if d:  # a resample of prompts that never took a step says nothing
-            stats.append(sum(num[i] for i in idx) / d)
-    stats.sort()
+        s_idx = [seeds.randrange(k) for _ in range(k)]
+        p_idx = [prompts.randrange(m) for _ in range(m)]
+        d = sum(den[s][i] for s in s_idx for i in p_idx)
+        out.append(sum(num[s][i] for s in s_idx for i in p_idx) / d if d else None)
+    return out
+
+
+def interval(value: float, draws: list[float | None]) -> dict:
+    """A value with the 2.5th and 97.5th percentiles of its bootstrap draws (None draws left out)."""
+    stats = sorted(x for x in draws if x is not None)
     k = len(stats)
-    return {"value": sum(num) / sum(den), "low": stats[int(0.025 * k)], "high": stats[max(0, int(0.975 * k) - 1)]}
+    return {"value": value, "low": stats[int(0.025 * k)], "high": stats[max(0, int(0.975 * k) - 1)]}
 
 
 @torch.inference_mode()

@@ -1,0 +1,320 @@
+"""The peers protocol (benchmarks/peers/protocol.py) without its slow parts: the grid, the budget check, resuming from
+the heads' JSONs, the best-configuration rule, the two-level bootstrap, the bf16 rounding of a served export, the
+table, and the failures that stop it (a step count other than asked, greedy output beyond a near-tie). Training and
+vLLM are replaced by stand-ins; no peer venv is needed."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers"
+sys.path.insert(0, str(PEERS))
+sys.path.insert(0, str(PEERS.parent))
+
+import protocol  # noqa: E402
+from mtp_train.validate.testset import ratio_interval, seeds_interval  # noqa: E402
+
+GRID = protocol.load_grid()
+DATA, OTHER = "a" * 64, "b" * 64
+TEST_SETS = ("mt-bench-test", "sharegpt-test", "functions-test")
+
+
+def figures(taus: dict[str, float], prompts: int = 6, seed: int = 0) -> dict:
+    """Judged figures with per-prompt counters near the given τ(5) per set (10 steps a prompt)."""
+    rng, sets = random.Random(seed), {}
+    for name, tau in taus.items():
+        rows = []
+        for _ in range(prompts):
+            total = max(0, (tau - 1) * 10 + rng.choice((-1, 0, 1)))  # drafts accepted in the prompt's 10 steps
+            accepted = [round(total * w) for w in (0.45, 0.25, 0.15, 0.1, 0.05)]
+            rows.append({"steps": 10, "accepted": accepted})
+        steps = 10 * prompts
+        rate = [sum(r["accepted"][j] for r in rows) / steps for j in range(5)]
+        sets[name] = {"tau": 1 + sum(rate), "acceptance_by_position": rate, "num_prompts": prompts,
+                      "greedy_identical_prompts": prompts, "mismatched": [], "per_prompt": rows}
+    return {"sets": sets, "mean_tau": sum(s["tau"] for s in sets.values()) / len(sets), "settings": {}}
+
+
+def head(trainer: str, config: str, seed: int, digest: str = DATA, dev: float | None = None,
+         test: dict | None = None, export: Path | None = None) -> dict:
+    return {"head": protocol.head_name(trainer, config, seed), "trainer": trainer, "seed": seed,
+            "configuration": protocol.configuration(GRID, trainer, config), "export": str(export or "/nonexistent"),
+            "dataset": {"token_ids_sha256": digest}, "processor": "cpu-x", "layers": 1,
+            "dev": {"sets": {"recipe": {"tau": dev}, "mt-bench": {"tau": dev}}, "mean_tau": dev} if dev else None,
+            "test": figures(test, seed=seed) if test else None}
+
+
+def write(folder: Path, *heads: dict) -> None:
+    for h in heads:
+        protocol.write_head(folder, h)
+
+
+# -- the grid and the budget ------------------------------------------------------------------------------------------
+def test_the_grid_gives_each_trainer_four_configurations_with_their_reasons(tmp_path):
+    for trainer in protocol.TRAINERS:
+        configs = GRID["trainers"][trainer]["configs"]
+        assert len(configs) == 4 and all(len(c["reason"]) > 40 for c in configs)
+    assert [c["name"] for c in GRID["trainers"]["ours"]["configs"]][:2] == ["recipe", "random-start"]
+    assert protocol.configuration(GRID, "ours", "random-start")["overrides"] == ["head.init_fc=-1",
+                                                                                 "head.init_layer=-1"]
+    broken = tmp_path / "grid.yaml"
+    text = (PEERS / "grid.yaml").read_text()
+    broken.write_text(text[:text.rindex("      - name: matched-lk")])  # specforge left with 3
+    with pytest.raises(protocol.ProtocolError, match=r"grid.yaml: trainers.specforge.configs names .*expected 4"):
+        protocol.load_grid(broken)
+
+
+def test_the_matched_configurations_are_the_settings_side_by_side_used():
+    import side_by_side as sbs
+
+    args = SimpleNamespace(lr=2e-3, warmup=20, steps=GRID["budget"]["steps"], depth=3)
+    spec = {c["name"]: c["flags"] for c in GRID["trainers"]["speculators"]["configs"]}
+    assert spec["matched"] == [x.replace("0.002", "2e-3") for x in sbs.speculators_settings(args, norms=True)]
+    assert spec["matched-lk"] == [x if x != "kl_div" else '{"kl_div":0.5,"nla":0.5}' for x in spec["matched"]]
+    assert spec["defaults"] == [] and spec["defaults-lk"] == ["--loss-fn", '{"kl_div":0.5,"nla":0.5}']
+    forge = {c["name"]: c for c in GRID["trainers"]["specforge"]["configs"]}
+    assert forge["matched"]["flags"] == [x.replace("0.002", "2e-3") for x in sbs.specforge_settings(args)]
+    assert forge["defaults"]["flags"] == [] and forge["defaults-lk"]["overrides"] == ["training.lk_loss_type=lambda"]
+
+
+def test_the_budget_takes_tokens_per_step_within_2_percent_and_the_exact_steps():
+    budget = GRID["budget"]
+    ok = protocol.check_budget("ours-recipe-s0", {"steps": 150, "tokens_per_step": 2039.0}, budget, 2000.0, "log")
+    assert ok["real_tokens"] == 150 * 2039 and ok["deviation"] == pytest.approx(0.0195)
+    with pytest.raises(protocol.ProtocolError, match=r"speculators-defaults-s0: 1,958 real tokens a step, -2.1% "
+                                                     r"from the budget's 2,000"):
+        protocol.check_budget("speculators-defaults-s0", {"steps": 150, "tokens_per_step": 1958.0}, budget, 2000.0,
+                              "log")
+    with pytest.raises(protocol.ProtocolError, match="specforge-matched-s1: 149 optimizer steps made, 150 asked"):
+        protocol.check_budget("specforge-matched-s1", {"steps": 149, "tokens_per_step": 2000.0}, budget, 2000.0, "x")
+
+
+def test_speculators_rows_are_chosen_to_hold_the_budgets_tokens():
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 512) for _ in range(1200)]
+    rows = protocol.packed_rows(lengths, 2200, seed=1, epoch=0)
+    assert sum(rows) == sum(lengths) and max(rows) <= 2200 and rows == protocol.packed_rows(lengths, 2200, 1, 0)
+    assert rows != protocol.packed_rows(lengths, 2200, 1, 1)  # each epoch its own order
+    target = 8 * sum(lengths) / len(lengths)
+    plan = protocol.speculators_rows(lengths, seed=0, steps=150, target=target)
+    assert 0 <= plan["planned_tokens_per_step"] / target - 1 < 0.01 and plan["total_seq_len"] > target
+    epoch_rows = len(protocol.packed_rows(lengths, plan["total_seq_len"], 0, 0))
+    assert plan["epochs"] == (1 if epoch_rows >= 150 else 2)
+
+
+# -- resuming, choosing, failing --------------------------------------------------------------------------------------
+@pytest.fixture
+def stand_ins(tmp_path, monkeypatch):
+    """protocol.main with the data, the trainers and vLLM replaced: what was trained and judged is recorded."""
+    calls = {"trained": [], "judged": [], "steps": 150, "problems": []}
+    ctx = SimpleNamespace(grid=GRID, hash=DATA, reference=2000.0, dataset={"token_ids_sha256": DATA},
+                          work=tmp_path / "work")
+
+    def train_head(ctx, trainer, conf, seed):
+        name = protocol.head_name(trainer, conf["name"], seed)
+        calls["trained"].append(name)
+        (tmp_path / "exports" / name).mkdir(parents=True, exist_ok=True)
+        return {"export": str(tmp_path / "exports" / name), "speed": {"steps": calls["steps"], "tokens_per_step":
+                2010.0}, "settings": conf["overrides"], "train_seconds": 1.0, "log": "log.txt", "layers": 1}
+
+    def judge_head(ctx, head, role):
+        calls["judged"].append((head["head"], role))
+        return figures({"recipe": 1.5, "mt-bench": 1.6}), list(calls["problems"])
+
+    monkeypatch.setattr(protocol, "prepare", lambda grid, work: ctx)
+    monkeypatch.setattr(protocol, "train_head", train_head)
+    monkeypatch.setattr(protocol, "judge_head", judge_head)
+    return calls
+
+
+def main(tmp_path, *args: str) -> int:
+    return protocol.main([*args, "--results", str(tmp_path / "heads"), "--work", str(tmp_path / "work")])
+
+
+def test_a_run_skips_a_finished_head_and_trains_one_of_other_data_again(tmp_path, stand_ins, capsys):
+    (tmp_path / "done").mkdir()
+    write(tmp_path / "heads", head("ours", "recipe", 0, dev=1.7, export=tmp_path / "done"),
+          head("ours", "random-start", 0, OTHER, dev=1.6, export=tmp_path / "done"))
+    assert main(tmp_path, "--stage", "dev", "--only", "ours", "--leave-out") == 0
+    assert stand_ins["trained"] == ["ours-floor0-s0", "ours-two-layers-s0"]
+    assert "ours-random-start-s0 left out: trained on other data (bbbbbbbbbbbb)" in capsys.readouterr().out
+    assert main(tmp_path, "--stage", "dev", "--only", "ours") == 0
+    assert stand_ins["trained"][2:] == ["ours-random-start-s0"]  # then the finished ones are skipped
+    again = json.loads((tmp_path / "heads" / "ours-random-start-s0.json").read_text())
+    assert again["dataset"]["token_ids_sha256"] == DATA and again["dev"]["mean_tau"] == pytest.approx(1.55, abs=0.05)
+    assert again["budget"]["tokens_per_step"] == 2010.0 and again["configuration"]["steps"] == 150
+    assert ("ours-recipe-s0", "dev") not in stand_ins["judged"]
+
+
+def test_the_best_configuration_has_the_highest_mean_dev_tau_and_a_tie_goes_to_the_first_listed():
+    taus = {"defaults": 1.60, "defaults-lk": 1.65, "matched": 1.65, "matched-lk": 1.62}
+    heads = {h["head"]: h for h in (head("speculators", c, 0, dev=t) for c, t in taus.items())}
+    assert protocol.best_config(heads, GRID, "speculators") == "defaults-lk"
+    heads["speculators-matched-s0"] = head("speculators", "matched", 0, dev=1.66)
+    assert protocol.best_config(heads, GRID, "speculators") == "matched"
+    del heads["speculators-defaults-s0"]
+    with pytest.raises(protocol.ProtocolError, match="speculators-defaults-s0: no dev figures.*--stage dev"):
+        protocol.best_config(heads, GRID, "speculators")
+
+
+def test_a_step_count_other_than_asked_stops_the_run_naming_the_head(tmp_path, stand_ins, capsys):
+    stand_ins["steps"] = 149
+    assert main(tmp_path, "--stage", "dev", "--only", "specforge") == 1
+    assert "protocol: specforge-defaults-s0: 149 optimizer steps made, 150 asked" in capsys.readouterr().err
+    assert not (tmp_path / "heads" / "specforge-defaults-s0.json").exists()
+
+
+def test_greedy_output_beyond_a_near_tie_stops_the_run_naming_the_head(tmp_path, stand_ins, capsys):
+    stand_ins["problems"] = ["mt-bench prompt 3: position 17, top-2 gap 2.5"]
+    assert main(tmp_path, "--stage", "dev", "--only", "ours") == 1
+    err = capsys.readouterr().err
+    assert "ours-recipe-s0: greedy output differs from vLLM's target alone beyond a near-tie (dev)" in err
+    assert "mt-bench prompt 3: position 17" in err
+    failed = json.loads((tmp_path / "heads" / "ours-recipe-s0.json").read_text())
+    assert failed["error"]["role"] == "dev" and "mt-bench prompt 3" in failed["error"]["what"]
+    assert stand_ins["trained"] == ["ours-recipe-s0"]
+    stand_ins["problems"] = []  # judged again (not trained again), and passed: the error goes
+    assert main(tmp_path, "--stage", "dev", "--only", "ours") == 0
+    assert "error" not in json.loads((tmp_path / "heads" / "ours-recipe-s0.json").read_text())
+    assert stand_ins["trained"][0] == "ours-recipe-s0" and stand_ins["trained"].count("ours-recipe-s0") == 1
+
+
+def test_near_ties_names_a_mismatch_where_the_target_is_not_tied(tmp_path):
+    from judge import near_ties
+    from mtp_train.config import compose
+    from mtp_train.inference.runner import load_runner
+
+    cfg = compose("tiny", [f"run_dir={tmp_path}"])
+    prompt = [1, 5, 9, 14, 3]
+    logits = load_runner(cfg.target.path, cfg.target).model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    top = torch.topk(logits, 3)
+    head_token = int(top.indices[2])  # the target's third choice: no near-tie, whatever the gap
+    sets = [SimpleNamespace(name="mt-bench", prompts=[prompt])]
+    same = {"mt-bench": {"mismatched": []}}
+    assert near_ties(same, sets, cfg) == []
+    found = {"mt-bench": {"mismatched": [{"prompt": 0, "head": [head_token], "target": [int(top.indices[0])]}]}}
+    problems = near_ties(found, sets, cfg)
+    assert len(problems) == 1 and problems[0].startswith("mt-bench prompt 0: position 0, top-2 gap ")
+    assert problems[0].endswith("not the runner-up") and found["mt-bench"]["mismatched"][0]["near_tie"] is False
+
+
+# -- the intervals and the table --------------------------------------------------------------------------------------
+def test_the_two_level_bootstrap_of_identical_seeds_is_the_one_level_interval():
+    rng = random.Random(1)
+    den = [rng.randint(20, 40) for _ in range(30)]
+    num = [d + rng.randint(5, 30) for d in den]
+    one = ratio_interval(num, den, seed=7)
+    three = seeds_interval([num] * 3, [den] * 3, seed=7)
+    assert three == pytest.approx(one, rel=1e-12) and one["low"] < one["value"] < one["high"]
+    assert seeds_interval([num] * 3, [den] * 3, seed=7) == three  # seeded: the same every time
+    # seeds that differ widen it: the seed spread (τ 1.4 .. 1.9) outweighs the prompts'
+    spread = [[round(d * f) for d in den] for f in (1.4, 1.65, 1.9)]
+    two = seeds_interval(spread, [den] * 3, seed=7)
+    flat = ratio_interval([x for row in spread for x in row], den * 3, seed=7)
+    assert two["high"] - two["low"] > 5 * (flat["high"] - flat["low"])
+
+
+def test_the_table_comes_from_the_jsons_and_names_a_head_left_out(tmp_path, capsys):
+    folder = tmp_path / "heads"
+    dev = {"ours": {"recipe": 1.80, "random-start": 1.60, "floor0": 1.78, "two-layers": 1.79},
+           "speculators": {"defaults": 1.55, "defaults-lk": 1.60, "matched": 1.62, "matched-lk": 1.64},
+           "specforge": {"defaults": 1.40, "defaults-lk": 1.42, "matched": 1.58, "matched-lk": 1.57}}
+    test = {"ours": 1.9, "speculators": 1.7, "specforge": 1.6}
+    for trainer, configs in dev.items():
+        best = max(configs, key=configs.get)
+        for config, tau in configs.items():
+            write(folder, head(trainer, config, 0, dev=tau, test={s: test[trainer] for s in TEST_SETS}
+                               if config == best else None))
+        for seed in (1, 2):
+            write(folder, head(trainer, best, seed, test={s: test[trainer] + 0.02 * seed for s in TEST_SETS}))
+    write(folder, head("specforge", "defaults", 1, OTHER, dev=1.3))
+    assert main(tmp_path, "--table") == 1
+    out, err = capsys.readouterr()
+    assert "left out: specforge-defaults-s1: other data (sha256 bbbbbbbbbbbb)" in out and "--leave-out" in err
+    assert main(tmp_path, "--table", "--leave-out") == 0
+    table = json.loads((tmp_path / "heads-table.json").read_text())
+    assert table["dataset_sha256"] == DATA and list(table["left_out"]) == ["specforge-defaults-s1"]
+    ours = table["trainers"]["ours"]
+    assert ours["configuration"] == "recipe" and ours["heads"] == ["ours-recipe-s0", "ours-recipe-s1",
+                                                                   "ours-recipe-s2"]
+    assert table["trainers"]["speculators"]["configuration"] == "matched-lk"
+    rows = [json.loads((folder / f"{n}.json").read_text())["test"]["sets"]["sharegpt-test"]["per_prompt"]
+            for n in ours["heads"]]
+    steps = sum(p["steps"] for r in rows for p in r)
+    s = ours["sets"]["sharegpt-test"]
+    assert s["tau"]["value"] == pytest.approx(sum(p["steps"] + sum(p["accepted"]) for r in rows for p in r) / steps)
+    assert s["tau3"]["value"] == pytest.approx(sum(p["steps"] + sum(p["accepted"][:3]) for r in rows for p in r)
+                                               / steps)
+    assert s["prompts"] == 6 and s["seeds"] == 3 and s["tau"]["low"] <= s["tau"]["value"] <= s["tau"]["high"]
+    ratio = table["ratios"]["sharegpt-test"]
+    peer = table["trainers"]["speculators"]["sets"]["sharegpt-test"]["tau"]["value"]
+    assert ratio["peer"] == "speculators" and ratio["value"] == pytest.approx(s["tau"]["value"] / peer)
+    assert ratio["low"] < ratio["value"] < ratio["high"]
+
+
+def test_a_served_export_is_rounded_through_bfloat16(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from judge import round_through_bf16
+
+    src = tmp_path / "export"
+    src.mkdir()
+    weights = {"w": torch.tensor([1.0 + 2 ** -10, 3.14159265, -1e-3]), "d2t": torch.tensor([0, 7, 9])}
+    save_file(weights, str(src / "model.safetensors"))
+    (src / "config.json").write_text('{"draft_vocab_size": 3}')
+    torch.save({"state": 1}, src / "optimizer_state_dict.pt")
+    out = round_through_bf16(src, tmp_path / "served")
+    got = load_file(str(out / "model.safetensors"))
+    assert got["w"].dtype == torch.float32 and torch.equal(got["w"], weights["w"].bfloat16().float())
+    assert got["w"][0] == 1.0 and torch.equal(got["d2t"], weights["d2t"])
+    assert (out / "config.json").read_text() == '{"draft_vocab_size": 3}'
+    assert not (out / "optimizer_state_dict.pt").exists()  # optimizer states are not served
+    again = round_through_bf16(out, tmp_path / "twice")  # bf16 values stay as they are
+    assert torch.equal(load_file(str(again / "model.safetensors"))["w"], got["w"])
+    written = (out / "model.safetensors").stat().st_mtime_ns
+    assert round_through_bf16(src, tmp_path / "served") == out  # up to date: not written again
+    assert (out / "model.safetensors").stat().st_mtime_ns == written
+
+
+# -- the JSON fields the earlier benchmarks wrote wrong ---------------------------------------------------------------
+def test_trainer_speed_sets_each_peer_against_ours_with_as_many_layers():
+    from trainer_speed import layer_count, like_for_like
+
+    median = {"ours": 870.0, "speculators": 372.0, "ours-nl2": 653.0, "specforge": 420.0}
+    layers = {"ours": 1, "ours-nl2": layer_count(["train.seed=0", "head.num_layers=2"]), "speculators": 2,
+              "specforge": 1}
+    like = like_for_like(median, layers)
+    assert like["speculators"] == {"ours": "ours-nl2", "layers": 2, "ratio": pytest.approx(653 / 372)}
+    assert like["specforge"]["ours"] == "ours" and like_for_like({"speculators": 1.0}, {"speculators": 1}) == {}
+
+
+def test_a_rejudging_records_each_heads_own_settings_and_every_speculators_rows(tmp_path):
+    import side_by_side as sbs
+
+    spec = tmp_path / "speculators-norms"
+    (spec / "checkpoints" / "2").mkdir(parents=True)
+    (spec / "record.json").write_text(json.dumps({"argv": ["--total-seq-len", "2482", "--lr", "0.002"]}))
+    ours = tmp_path / "ours-nout"
+    (ours / "export" / "eagle3").mkdir(parents=True)
+    (ours / "trained.json").write_text(json.dumps(["head.norm_output=true", "train.lr=0.002"]))
+    heads = {"speculators-norms": {"export": spec / "checkpoints" / "2", "judged_only": True, "speed": None},
+             "ours-nout": {"export": ours / "export" / "eagle3", "judged_only": True, "speed": None},
+             "mtp": {"export": tmp_path / "elsewhere" / "vllm-mtp", "judged_only": True, "speed": None}}
+    out = tmp_path / "rejudge.json"
+    sbs.save(out, SimpleNamespace(steps=50, lr=2e-3), ["train.steps=50"], None, heads, None)
+    saved = json.loads(out.read_text())
+    assert saved["matched_overrides"] is None  # the re-judging command's defaults are no head's settings
+    assert saved["speculators_total_seq_len"] == {"speculators-norms": 2482}
+    assert saved["heads"]["ours-nout"]["settings"]["overrides"] == ["head.norm_output=true", "train.lr=0.002"]
+    assert saved["heads"]["mtp"]["settings"]["settings"] is None and "made elsewhere" in \
+        saved["heads"]["mtp"]["settings"]["why"]
+    trained = {"speculators-2l": {"export": spec, "speed": None, "total_seq_len": 2300, "settings": ["--seed", "0"]}}
+    sbs.save(out, SimpleNamespace(steps=50), ["train.steps=50"], None, trained, None)
+    assert json.loads(out.read_text())["speculators_total_seq_len"] == {"speculators-2l": 2300}
