@@ -3,14 +3,19 @@ judged by one greedy pass at k = 3 over the test prompt sets (untimed; its outpu
 alone's, decoded once for every size), the largest also timed against the target.
 
     .venv/bin/python benchmarks/data_scaling.py --recipe smollm2-135m-chat --sizes 300 600 1200 2400
+    .venv/bin/python benchmarks/data_scaling.py --full runs/smollm2-135m-chat --sizes 300 600 1200 all
     .venv/bin/python benchmarks/data_scaling.py --recipe smollm2-135m-chat --table    # the table and plot only
 
-1. `mtp-train prepare` of the recipe in BASE/full (regenerated once; resumable).
+1. `mtp-train prepare` of the recipe in --full (default BASE/full; regenerated once, resumable; a run the
+   pipeline made is up to date).
 2. For each size n (smallest first): BASE/n<n>/data holds the first n training rows of a seeded permutation of the
    full train split (so the sizes nest) and the full val split, with a manifest naming the subset and the sha256
    of its token ids; then `precompute` (with a store), `train` (train.steps = epochs x n / micro_batch, so every
    size trains the same epochs; eval once an epoch) and `test` at k = 3 with `validate.test_speed=false`; the
-   largest size also runs `test` timed.
+   largest size also runs `test` timed, at the recipe's setting (validate.test_k / test_tree, chosen on dev).
+   The size `all` (every row) is the recipe's own run in --full, trained as the recipe trains it (its steps are
+   the same epochs). A test of the same head and settings already in the run's validation/test_runs.jsonl is
+   reused, not run again.
 3. Each size's JSON goes to benchmarks/results/data-scaling-<recipe>-n<n>.json as it finishes (data hash,
    processor, tokens and wall-clock per stage, τ(3) with its interval and acceptance by position per test set);
    a later run skips a size whose JSON holds the same data hash. Then a table, the slope (τ(3) per doubling of
@@ -87,35 +92,39 @@ def write_subset(full: Path, out: Path, n: int, seed: int) -> dict:
 
 
 def size_run(args, n: int, full: Path, epochs: float, largest: bool) -> dict:
-    run_dir = Path(args.base) / f"n{n}"
-    manifest = write_subset(full / "data", run_dir / "data", n, args.seed)
+    whole = n == rows_of(full)  # every row: the recipe's own run in `full`, trained as the recipe trains it
+    run_dir = full if whole else Path(args.base) / f"n{n}"
+    manifest = subset_manifest(full, n, args.seed) if whole else write_subset(full / "data", run_dir / "data", n,
+                                                                                 args.seed)
     cfg = compose(args.recipe, [f"run_dir={run_dir}", *args.overrides])
     batch = cfg.train.micro_batch * cfg.train.grad_accum  # one process
     steps = max(1, round(epochs * n / batch))
     per_epoch = max(1, round(n / batch))
-    if args.redo_all or n in args.redo:  # from scratch: no checkpoint of another run to resume
+    if n in args.redo:  # from scratch: no checkpoint of another run to resume
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         for f in ("metrics.jsonl",):
             (run_dir / f).unlink(missing_ok=True)
-    train = [f"train.steps={steps}", f"train.eval_every={per_epoch}", f"train.save_every={per_epoch}",
-             f"train.warmup_steps={min(cfg.train.warmup_steps, max(1, steps // 10))}", "resume=true"]
+    train = ["resume=true"] if whole and steps == cfg.train.steps else [
+        f"train.steps={steps}", f"train.eval_every={per_epoch}", f"train.save_every={per_epoch}",
+        f"train.warmup_steps={min(cfg.train.warmup_steps, max(1, steps // 10))}", "resume=true"]
     seconds = {}
     if cfg.train.features == "store":
         seconds["precompute"] = mtp("precompute", args.recipe, run_dir, *args.overrides)
     seconds["train"] = mtp("train", args.recipe, run_dir, *args.overrides, *train)
     test = ["validate.test_k=3", *([f"validate.test_num_prompts={args.test_prompts}"] if args.test_prompts is not None
                                     else []), *args.overrides]
-    seconds["test_untimed"] = mtp("test", args.recipe, run_dir, *test, "validate.test_speed=false")
-    untimed = json.loads((run_dir / "validation" / "test.json").read_text())
+    seconds["test_untimed"], untimed = test_report(args, run_dir, [*test, "validate.test_speed=false"])
     timed = None
-    if largest and not args.no_speed:
-        seconds["test_timed"] = mtp("test", args.recipe, run_dir, *test)
-        timed = json.loads((run_dir / "validation" / "test.json").read_text())
+    if largest and not args.no_speed:  # timed at the recipe's setting (validate.test_k / test_tree, chosen on dev)
+        seconds["test_timed"], timed = test_report(args, run_dir, test[1:])
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    timed_steps = [m["time"] for m in metrics if "train/tokens" in m]
+    # the training's own span (first to last logged step), whether it ran here or earlier (the size `all`)
+    seconds["train_logged"] = timed_steps[-1] - timed_steps[0] if len(timed_steps) > 1 else None
     return {"recipe": args.recipe, "size": n, "epochs": epochs, "steps": steps, "overrides": args.overrides,
             "data": {**manifest["subset"], "token_ids_sha256": manifest["token_ids_sha256"]},
             "train_tokens": manifest["splits"]["train"]["tokens"],
-            "processor": processor_name(), "threads": os.cpu_count(), "seconds": seconds,
+            "processor": processor_name(), "threads": os.cpu_count(), "seconds": seconds, "whole_run": whole,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "sets": {s["name"]: {"tau3": s["tau"], "acceptance_by_position": s["acceptance_by_position"],
                                  "num_prompts": s["num_prompts"],
@@ -125,6 +134,40 @@ def size_run(args, n: int, full: Path, epochs: float, largest: bool) -> dict:
                                                  for s in timed["sets"]},
             "choice": untimed["choice"],
             "val_per_epoch": [m for m in metrics if any(k.startswith("val") for k in m)]}
+
+
+def rows_of(full: Path) -> int:
+    return json.loads((full / "data" / "manifest.json").read_text())["splits"]["train"]["samples"]
+
+
+def subset_manifest(full: Path, n: int, seed: int) -> dict:
+    """The whole dataset as the largest 'subset': `full`'s own manifest, its rows in prepare's order."""
+    manifest = json.loads((full / "data" / "manifest.json").read_text())
+    return {**manifest, "subset": {"of": str(full), "rows": n, "of_rows": n, "seed": seed,
+                                   "of_token_ids_sha256": manifest.get("token_ids_sha256")}}
+
+
+def test_report(args, run_dir: Path, overrides: list[str]) -> tuple[float | None, dict]:
+    """`mtp-train test` with `overrides`, or the run's recorded test of the same head and settings when one is in
+    validation/test_runs.jsonl (every test run is kept there): -> (seconds, or None when reused; the report)."""
+    from mtp_train.model.checkpoint import load_meta, trained_head
+
+    cfg = compose(args.recipe, [f"run_dir={run_dir}", *overrides])
+    runs = run_dir / "validation" / "test_runs.jsonl"
+    head = trained_head(run_dir)
+    step = load_meta(head).get("step")
+    keys = ("test_prompts", "test_num_prompts", "test_k", "test_tree", "test_speed", "max_new_tokens")
+    want = {k: getattr(cfg.validate, k) for k in keys}
+    if runs.is_file():
+        for line in reversed(runs.read_text().splitlines()):
+            r = json.loads(line)
+            if (Path(r["head"]["checkpoint"]).name, r["head"]["step"]) == (head.name, step) and \
+                    {k: r["config"].get(k) for k in keys} == want:
+                print(f"data_scaling: reusing the test of {run_dir} at step {step} recorded in {runs} "
+                      f"(commit {str(r['choice']['commit'])[:10]})")
+                return None, r
+    seconds = mtp("test", args.recipe, run_dir, *overrides)
+    return seconds, json.loads((run_dir / "validation" / "test.json").read_text())
 
 
 def slope(points: list[tuple[int, float]]) -> float | None:
@@ -150,7 +193,7 @@ def table(recipe: str) -> None:
         cells = [f"{r['sets'][n]['tau3']['value']:.3f} [{r['sets'][n]['tau3']['low']:.2f}, "
                  f"{r['sets'][n]['tau3']['high']:.2f}]" if n in r["sets"] else "" for n in names]
         print(f"| {r['size']:,} | {r['train_tokens']:,} | " + " | ".join(cells)
-              + f" | {r['seconds']['train'] / 60:.1f} | {r['processor']} |")
+              + f" | {(r['seconds'].get('train_logged') or r['seconds']['train']) / 60:.1f} | {r['processor']} |")
     for n in names:
         s = slope([(r["size"], r["sets"][n]["tau3"]["value"]) for r in runs if n in r["sets"]])
         print(f"{n}: τ(3) {'+' if s is not None and s >= 0 else ''}{s:.3f} per doubling of the data" if s is not None
@@ -190,36 +233,45 @@ def plot(recipe: str, runs: list[dict], names: list[str]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="smollm2-135m-chat")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[300, 600, 1200, 2400])
+    ap.add_argument("--sizes", nargs="+", default=["300", "600", "1200", "2400"],
+                    help="training conversations per size; `all`: every row, the recipe's own run in --full")
     ap.add_argument("--base", default="runs/scaling")
+    ap.add_argument("--full", default=None, help="the recipe's prepared run the subsets are cut from (default: "
+                    "BASE/full, prepared here); e.g. the run `mtp-train pipeline` made, whose head is then the size "
+                    "`all`")
     ap.add_argument("--epochs", type=float, default=0, help="0: the recipe's (train.steps x micro_batch / rows)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--test-prompts", type=int, default=None,
                     help="validate.test_num_prompts (default: the recipe's; 0: every test prompt)")
     ap.add_argument("--no-speed", action="store_true", help="no timed test at the largest size")
-    ap.add_argument("--redo", type=int, nargs="*", default=[], help="sizes to run again whatever their JSON says")
+    ap.add_argument("--redo", nargs="*", default=[], help="sizes to run again whatever their JSON says")
     ap.add_argument("--table", action="store_true", help="only the table and the plot from the JSONs")
     ap.add_argument("overrides", nargs="*", help="key=value for every stage")
     args = ap.parse_args()
     if args.table:
         table(args.recipe)
         return 0
-    full = Path(args.base) / "full"
+    full = Path(args.full or Path(args.base) / "full")
     seconds = mtp("prepare", args.recipe, full, *args.overrides)
-    rows = json.loads((full / "data" / "manifest.json").read_text())["splits"]["train"]["samples"]
+    rows = rows_of(full)
+    try:
+        args.sizes = [rows if n == "all" else int(n) for n in args.sizes]
+        args.redo = [rows if n == "all" else int(n) for n in args.redo]
+    except ValueError as e:
+        sys.exit(f"data_scaling: --sizes and --redo take numbers of conversations or `all` ({e})")
     cfg = compose(args.recipe, [f"run_dir={full}", *args.overrides])
     epochs = args.epochs or cfg.train.steps * cfg.train.micro_batch / rows
     print(f"data_scaling: {rows} training rows in {full} (prepare {seconds:.0f} s), {epochs:.2f} epochs at every size")
     if over := [n for n in args.sizes if n > rows]:
         sys.exit(f"data_scaling: sizes {over} are over the {rows} training rows of {full}: ask for smaller sizes, or "
                  "more data from the recipe")
-    args.redo_all = False
     RESULTS.mkdir(parents=True, exist_ok=True)
     for n in sorted(args.sizes):
         out = RESULTS / f"data-scaling-{args.recipe}-n{n}.json"
         if out.is_file() and n not in args.redo:
             done = json.loads(out.read_text())
-            manifest = write_subset(full / "data", Path(args.base) / f"n{n}" / "data", n, args.seed)
+            manifest = subset_manifest(full, n, args.seed) if n == rows else \
+                write_subset(full / "data", Path(args.base) / f"n{n}" / "data", n, args.seed)
             if done["data"]["token_ids_sha256"] != manifest["token_ids_sha256"]:
                 sys.exit(f"data_scaling: {out} was made from other data (sha256 {done['data']['token_ids_sha256'][:12]} "
                          f"against {manifest['token_ids_sha256'][:12]} now): rerun with --redo {n}")
