@@ -153,6 +153,22 @@ def test_a_run_skips_a_finished_head_and_trains_one_of_other_data_again(tmp_path
     assert ("ours-recipe-s0", "dev") not in stand_ins["judged"]
 
 
+def test_a_later_session_without_the_exports_keeps_the_figures_in_the_jsons(tmp_path, stand_ins):
+    """The exports live under runs/ (not committed): a fresh clone skips the heads judged on dev, and the test
+    stage trains the best configuration's seed 0 again for its export, keeping its dev figures."""
+    write(tmp_path / "heads", *(head("ours", c["name"], 0, dev=1.5 + 0.1 * (c["name"] == "floor0"))
+                                for c in GRID["trainers"]["ours"]["configs"]))  # no export anywhere
+    assert main(tmp_path, "--stage", "dev", "--only", "ours") == 0
+    assert stand_ins["trained"] == [] and stand_ins["judged"] == []
+    assert main(tmp_path, "--stage", "best", "--only", "ours") == 0
+    assert stand_ins["trained"] == ["ours-floor0-s1", "ours-floor0-s2"]
+    assert main(tmp_path, "--stage", "test", "--only", "ours") == 0
+    assert stand_ins["trained"][2:] == ["ours-floor0-s0"]  # seeds 1 and 2 still have their exports
+    again = json.loads((tmp_path / "heads" / "ours-floor0-s0.json").read_text())
+    assert again["dev"]["mean_tau"] == pytest.approx(1.6) and again["dev"]["judged_before_retraining"]
+    assert again["test"] is not None
+
+
 def test_the_best_configuration_has_the_highest_mean_dev_tau_and_a_tie_goes_to_the_first_listed():
     taus = {"defaults": 1.60, "defaults-lk": 1.65, "matched": 1.65, "matched-lk": 1.62}
     heads = {h["head"]: h for h in (head("speculators", c, 0, dev=t) for c, t in taus.items())}

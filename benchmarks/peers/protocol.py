@@ -80,7 +80,8 @@ def configuration(grid: dict, trainer: str, name: str) -> dict:
                             f"{[c['name'] for c in grid['trainers'][trainer]['configs']]})")
     c, b = found[0], grid["budget"]
     return {"name": name, "overrides": list(c.get("overrides") or []), "flags": list(c.get("flags") or []),
-            "floor": c["floor"], "steps": b["steps"], "micro_batch": b["micro_batch"]}
+            "floor": c["floor"], "steps": b["steps"], "micro_batch": b["micro_batch"],
+            "fixed": grid["trainers"][trainer].get("fixed") or []}  # the trainer's settings for every configuration
 
 
 def head_name(trainer: str, config: str, seed: int) -> str:
@@ -154,9 +155,11 @@ def head_state(head: dict | None, digest: str, conf: dict, role: str) -> str:
         return "train"
     if head["dataset"]["token_ids_sha256"] != digest:
         return "other data"
-    if head.get("configuration") != conf or not Path(head["export"]).is_dir():
+    if head.get("configuration") != conf:
         return "train"
-    return "done" if head.get(role) and (head.get("error") or {}).get("role") != role else "judge"
+    if head.get(role) and (head.get("error") or {}).get("role") != role:
+        return "done"  # its figures are in the JSON: the export (under runs/, not committed) is not needed again
+    return "judge" if Path(head["export"]).is_dir() else "train"  # judging needs the export: a fresh clone retrains
 
 
 def mean_dev_tau(head: dict) -> float:
@@ -301,6 +304,8 @@ def run_heads(ctx: SimpleNamespace, heads: dict, wanted: list[tuple[str, str, in
             print(f"protocol: training {name}" + (" (its JSON is of other data)" if state == "other data" else ""))
             t = train_head(ctx, trainer, conf, seed)
             trained += 1
+            old = heads.get(name) if state == "train" else None  # same data and configuration: its export was gone
+            kept = {r: old.get(r) for r in ("dev", "test")} if old and old.get("configuration") == conf else {}
             reason = next(c["reason"] for c in ctx.grid["trainers"][trainer]["configs"] if c["name"] == config)
             heads[name] = {"head": name, "trainer": trainer, "configuration": conf, "reason": reason, "seed": seed,
                            "budget": check_budget(name, t["speed"], ctx.grid["budget"], ctx.reference, t["log"]),
@@ -309,6 +314,9 @@ def run_heads(ctx: SimpleNamespace, heads: dict, wanted: list[tuple[str, str, in
                                k: v for k, v in choice_record(ROOT).items() if k in ("commit", "dirty")},
                            "grid_sha256": sha256(args.grid),
                            "date": time.strftime("%Y-%m-%d %H:%M"), **t, "dev": None, "test": None}
+            for r, figures in kept.items():  # trained again from the same data, configuration and seed (its
+                if figures:  # figures stay: on one processor a training is deterministic), named as such
+                    heads[name][r] = {**figures, "judged_before_retraining": True}
             if t["train_seconds"] > 60 * ctx.grid["budget"]["max_train_minutes"]:
                 print(f"protocol: {name} trained {t['train_seconds'] / 60:.1f} min, over the budget's "
                       f"{ctx.grid['budget']['max_train_minutes']}")

@@ -202,7 +202,9 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
            "--max-steps", str(args.steps), "--epochs", str(epochs), "--num-workers", "0", "--seed", str(args.seed),
            "--train-data-ratio", str(peers["train_data_ratio"]), "--mask-token-id", str(args.mask_token_id),
            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
-    if not (args.reuse and record.is_file() and json.loads(record.read_text()).get("argv") == cmd[5:]):
+    earlier = json.loads(record.read_text()) if record.is_file() else {}
+    # a record is written even by a run that died (its `finally`): reused only when it made every step
+    if not (args.reuse and earlier.get("argv") == cmd[5:] and len(earlier.get("step_end_s", [])) == args.steps):
         shutil.rmtree(out / "checkpoints", ignore_errors=True)  # it resumes from checkpoints it finds
         run(cmd, out / "log.txt")
     rec = json.loads(record.read_text())
