@@ -59,8 +59,9 @@ def mtp(stage: str, recipe: str, run_dir: Path, *overrides: str) -> float:
     return time.perf_counter() - t0
 
 
-def write_subset(full: Path, out: Path, n: int, seed: int) -> dict:
-    """BASE/n<n>/data: the first n rows of the seeded permutation of full/train, full/val as it is."""
+def subset(full: Path, n: int, seed: int):
+    """The first n rows of the seeded permutation of full/train (in their order there), full/val, and the sha256
+    of their token ids as prepare hashes them."""
     import datasets
 
     train = datasets.load_from_disk(str(full / "train"))
@@ -68,23 +69,34 @@ def write_subset(full: Path, out: Path, n: int, seed: int) -> dict:
         sys.exit(f"data_scaling: size {n} is over the {len(train)} training rows of {full}")
     order = list(range(len(train)))
     random.Random(f"scaling:{seed}").shuffle(order)
-    subset = train.select(sorted(order[:n]))
+    rows = train.select(sorted(order[:n]))
     val = datasets.load_from_disk(str(full / "val"))
     digest = token_ids_sha256({name: [Tokenized(list(r), []) for r in ds["input_ids"]]
-                               for name, ds in (("train", subset), ("val", val))})
+                               for name, ds in (("train", rows), ("val", val))})
+    return rows, len(train), digest
+
+
+def subset_digest(full: Path, n: int, seed: int) -> str:
+    return subset(full, n, seed)[2]
+
+
+def write_subset(full: Path, out: Path, n: int, seed: int) -> dict:
+    """BASE/n<n>/data: the subset (`subset`) with full/val as it is and a manifest naming it (kept when it is
+    already there)."""
+    rows, of_rows, digest = subset(full, n, seed)
     manifest = json.loads((full / "manifest.json").read_text())
     if (out / "manifest.json").is_file() and json.loads((out / "manifest.json").read_text()).get("subset", {}).get(
             "rows") == n and json.loads((out / "manifest.json").read_text()).get("token_ids_sha256") == digest:
         return json.loads((out / "manifest.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    subset.save_to_disk(str(out / "train"))
+    rows.save_to_disk(str(out / "train"))
     shutil.copytree(full / "val", out / "val")
-    tokens = sum(len(r) for r in subset["input_ids"])
+    tokens = sum(len(r) for r in rows["input_ids"])
     manifest["config_hash"] = hashlib.sha256(f"{manifest['config_hash']}:{n}:{seed}".encode()).hexdigest()
     manifest["splits"]["train"] = {"samples": n, "tokens": tokens,
-                                   "masked_tokens": sum(sum(m) for m in subset["loss_mask"])}
-    manifest["subset"] = {"of": str(full), "rows": n, "of_rows": len(train), "seed": seed,
+                                   "masked_tokens": sum(sum(m) for m in rows["loss_mask"])}
+    manifest["subset"] = {"of": str(full), "rows": n, "of_rows": of_rows, "seed": seed,
                           "of_token_ids_sha256": manifest.get("token_ids_sha256")}
     manifest["token_ids_sha256"] = digest  # prepare's hash, of the subset's train and val
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -92,19 +104,23 @@ def write_subset(full: Path, out: Path, n: int, seed: int) -> dict:
 
 
 def size_run(args, n: int, full: Path, epochs: float, largest: bool) -> dict:
-    whole = n == rows_of(full)  # every row: the recipe's own run in `full`, trained as the recipe trains it
+    tc = compose(args.recipe, [f"run_dir={full}", *args.overrides]).train
+    steps = max(1, round(epochs * n / (tc.micro_batch * tc.grad_accum)))  # one process
+    per_epoch = max(1, round(n / (tc.micro_batch * tc.grad_accum)))
+    # every row, the recipe's steps and nothing of its training overridden: the recipe's own run in `full`
+    whole = n == rows_of(full) and steps == tc.steps and all(o.startswith("validate.") for o in args.overrides)
     run_dir = full if whole else Path(args.base) / f"n{n}"
+    if n in args.redo and not whole:  # from scratch: no checkpoint, store or test of another run to reuse
+        for d in ("checkpoints", "store"):
+            shutil.rmtree(run_dir / d, ignore_errors=True)
+        for f in ("metrics.jsonl", "validation/test_runs.jsonl"):
+            (run_dir / f).unlink(missing_ok=True)
+    # the size `all` redone: its tests only (the recipe's head, its export and its dev report stay as they are)
+    args.retest = n in args.redo and whole
     manifest = subset_manifest(full, n, args.seed) if whole else write_subset(full / "data", run_dir / "data", n,
                                                                                  args.seed)
     cfg = compose(args.recipe, [f"run_dir={run_dir}", *args.overrides])
-    batch = cfg.train.micro_batch * cfg.train.grad_accum  # one process
-    steps = max(1, round(epochs * n / batch))
-    per_epoch = max(1, round(n / batch))
-    if n in args.redo:  # from scratch: no checkpoint of another run to resume
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-        for f in ("metrics.jsonl",):
-            (run_dir / f).unlink(missing_ok=True)
-    train = ["resume=true"] if whole and steps == cfg.train.steps else [
+    train = ["resume=true"] if whole else [
         f"train.steps={steps}", f"train.eval_every={per_epoch}", f"train.save_every={per_epoch}",
         f"train.warmup_steps={min(cfg.train.warmup_steps, max(1, steps // 10))}", "resume=true"]
     seconds = {}
@@ -113,7 +129,9 @@ def size_run(args, n: int, full: Path, epochs: float, largest: bool) -> dict:
     seconds["train"] = mtp("train", args.recipe, run_dir, *args.overrides, *train)
     test = ["validate.test_k=3", *([f"validate.test_num_prompts={args.test_prompts}"] if args.test_prompts is not None
                                     else []), *args.overrides]
-    seconds["test_untimed"], untimed = test_report(args, run_dir, [*test, "validate.test_speed=false"])
+    # the chain of k = 3, whatever tree the recipe chose for its timed test
+    seconds["test_untimed"], untimed = test_report(args, run_dir, [*test, "validate.test_tree=",
+                                                                   "validate.test_speed=false"])
     timed = None
     if largest and not args.no_speed:  # timed at the recipe's setting (validate.test_k / test_tree, chosen on dev)
         seconds["test_timed"], timed = test_report(args, run_dir, test[1:])
@@ -132,6 +150,7 @@ def size_run(args, n: int, full: Path, epochs: float, largest: bool) -> dict:
             "timed": None if timed is None else {s["name"]: {k: s[k] for k in ("tau", "speedup", "implied_tau",
                                                                               "greedy_identical_prompts", "num_prompts")}
                                                  for s in timed["sets"]},
+            "untimed_setting": untimed["setting"], "timed_setting": timed and timed["setting"],
             "choice": untimed["choice"],
             "val_per_epoch": [m for m in metrics if any(k.startswith("val") for k in m)]}
 
@@ -148,26 +167,44 @@ def subset_manifest(full: Path, n: int, seed: int) -> dict:
 
 
 def test_report(args, run_dir: Path, overrides: list[str]) -> tuple[float | None, dict]:
-    """`mtp-train test` with `overrides`, or the run's recorded test of the same head and settings when one is in
-    validation/test_runs.jsonl (every test run is kept there): -> (seconds, or None when reused; the report)."""
-    from mtp_train.model.checkpoint import load_meta, trained_head
+    """`mtp-train test` with `overrides`, or the run's recorded test of the same head (its weights' sha256) and
+    settings, passed, when one is in validation/test_runs.jsonl (every test run is kept there): -> (seconds, or
+    None when reused; the report)."""
+    from mtp_train.files import sha256_file
+    from mtp_train.model.checkpoint import trained_head
 
     cfg = compose(args.recipe, [f"run_dir={run_dir}", *overrides])
     runs = run_dir / "validation" / "test_runs.jsonl"
-    head = trained_head(run_dir)
-    step = load_meta(head).get("step")
-    keys = ("test_prompts", "test_num_prompts", "test_k", "test_tree", "test_speed", "max_new_tokens")
+    weights = trained_head(run_dir) / "head.safetensors"
+    digest = sha256_file(weights)
+    keys = ("test_prompts", "test_num_prompts", "test_k", "test_tree", "test_speed", "max_new_tokens",
+            "max_prompt_tokens")
     want = {k: getattr(cfg.validate, k) for k in keys}
-    if runs.is_file():
+    if runs.is_file() and not args.retest:
         for line in reversed(runs.read_text().splitlines()):
             r = json.loads(line)
-            if (Path(r["head"]["checkpoint"]).name, r["head"]["step"]) == (head.name, step) and \
-                    {k: r["config"].get(k) for k in keys} == want:
-                print(f"data_scaling: reusing the test of {run_dir} at step {step} recorded in {runs} "
-                      f"(commit {str(r['choice']['commit'])[:10]})")
-                return None, r
+            if r["head"].get("sha256", digest) != digest or {k: r["config"].get(k) for k in keys} != want or \
+                    r["settings"].get("processor") != processor_name() or failures(r):
+                continue
+            if "sha256" not in r["head"] and (Path(r["head"]["checkpoint"]).resolve() != weights.parent.resolve()
+                                               or runs.stat().st_mtime < weights.stat().st_mtime):
+                continue  # a record from before heads were hashed: only when nothing was trained since
+            print(f"data_scaling: reusing the test of {run_dir} recorded in {runs} (the same head and settings, "
+                  f"commit {str(r['choice']['commit'])[:10]})")
+            return None, r
     seconds = mtp("test", args.recipe, run_dir, *overrides)
     return seconds, json.loads((run_dir / "validation" / "test.json").read_text())
+
+
+def failures(report: dict) -> list[str]:
+    """What made a test run fail (greedy mismatches beyond a near-tie, a speed-up above τ): its own record, or for
+    a record from before it kept one, the same rule applied to its sets."""
+    if "failures" in report:
+        return report["failures"]
+    bad = [s["name"] for s in report["sets"] if any(not m["near_tie"] for m in s.get("greedy_mismatches") or [])
+           or (s.get("speedup") and s["speedup"]["value"] > s["tau"]["value"])
+           or "greedy_identical_prompts" not in s]
+    return bad
 
 
 def slope(points: list[tuple[int, float]]) -> float | None:
@@ -260,7 +297,7 @@ def main() -> int:
     except ValueError as e:
         sys.exit(f"data_scaling: --sizes and --redo take numbers of conversations or `all` ({e})")
     cfg = compose(args.recipe, [f"run_dir={full}", *args.overrides])
-    epochs = args.epochs or cfg.train.steps * cfg.train.micro_batch / rows
+    epochs = args.epochs or cfg.train.steps * cfg.train.micro_batch * cfg.train.grad_accum / rows
     print(f"data_scaling: {rows} training rows in {full} (prepare {seconds:.0f} s), {epochs:.2f} epochs at every size")
     if over := [n for n in args.sizes if n > rows]:
         sys.exit(f"data_scaling: sizes {over} are over the {rows} training rows of {full}: ask for smaller sizes, or "
@@ -270,11 +307,11 @@ def main() -> int:
         out = RESULTS / f"data-scaling-{args.recipe}-n{n}.json"
         if out.is_file() and n not in args.redo:
             done = json.loads(out.read_text())
-            manifest = subset_manifest(full, n, args.seed) if n == rows else \
-                write_subset(full / "data", Path(args.base) / f"n{n}" / "data", n, args.seed)
-            if done["data"]["token_ids_sha256"] != manifest["token_ids_sha256"]:
+            digest = subset_manifest(full, n, args.seed)["token_ids_sha256"] if n == rows else \
+                subset_digest(full / "data", n, args.seed)
+            if done["data"]["token_ids_sha256"] != digest:
                 sys.exit(f"data_scaling: {out} was made from other data (sha256 {done['data']['token_ids_sha256'][:12]} "
-                         f"against {manifest['token_ids_sha256'][:12]} now): rerun with --redo {n}")
+                         f"against {digest[:12]} now): rerun with --redo {n}")
             if (done["epochs"], done.get("overrides")) != (epochs, args.overrides):
                 sys.exit(f"data_scaling: {out} was trained {done['epochs']:.2f} epochs with {done.get('overrides')}, "
                          f"this run asks {epochs:.2f} with {args.overrides}: rerun with --redo {n}, or the same")

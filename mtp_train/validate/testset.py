@@ -71,7 +71,8 @@ def run(cfg: "RunConfig") -> dict:
     stop = stop_tokens(tokenizer, target)
     tree = v.tree_for_test()
     setting = tree_label(tree) if tree else f"k={v.test_k}"
-    report = {"head": {"checkpoint": meta["checkpoint"], "variant": meta["variant"], "step": meta["step"]},
+    report = {"head": {"checkpoint": meta["checkpoint"], "variant": meta["variant"], "step": meta["step"],
+                       "sha256": sha256_file(Path(meta["checkpoint"]) / "head.safetensors")},
               "setting": setting, "choice": choice_record(Path(cfg.run_dir)), "disjoint": disjoint,
               "settings": {"max_new_tokens": v.max_new_tokens, "batch_size": 1, "temperature": 0.0,
                            "dtype": cfg.target.dtype, "device": str(target.device), "processor": processor_name(),
@@ -92,6 +93,7 @@ def run(cfg: "RunConfig") -> dict:
                      f"{x['num_prompts'] - x['greedy_identical_prompts']} prompts"
                      for x in report["vllm"] if not x["greedy_identical"]]
     report["config"] = asdict(v)
+    report["failures"] = failures  # what makes the command fail (after the report is written): [] when trusted
     report["seconds"] = time.perf_counter() - t0
     out = Path(cfg.run_dir) / "validation"
     out.mkdir(parents=True, exist_ok=True)
