@@ -59,6 +59,27 @@ def mtp(stage: str, recipe: str, run_dir: Path, *overrides: str) -> float:
     return time.perf_counter() - t0
 
 
+def permutation(rows: int, seed: int) -> list[int]:
+    """The seeded order the subsets take rows in: the first n of it make size n, so the sizes nest."""
+    order = list(range(rows))
+    random.Random(f"scaling:{seed}").shuffle(order)
+    return order
+
+
+def rows_for_tokens(full: Path, tokens: int, seed: int) -> int:
+    """The fewest rows of the seeded permutation of full/train whose tokens reach `tokens` (the same training tokens
+    for datasets whose rows differ in length); exits when all of them fall short."""
+    import datasets
+
+    lengths = [len(r) for r in datasets.load_from_disk(str(full / "train"))["input_ids"]]
+    total = 0
+    for n, i in enumerate(permutation(len(lengths), seed), 1):
+        total += lengths[i]
+        if total >= tokens:
+            return n
+    sys.exit(f"data_scaling: {full}/train holds {total:,} tokens, under the {tokens:,} asked: prepare more rows")
+
+
 def subset(full: Path, n: int, seed: int):
     """The first n rows of the seeded permutation of full/train (in their order there), full/val, and the sha256
     of their token ids as prepare hashes them."""
@@ -67,17 +88,11 @@ def subset(full: Path, n: int, seed: int):
     train = datasets.load_from_disk(str(full / "train"))
     if n > len(train):
         sys.exit(f"data_scaling: size {n} is over the {len(train)} training rows of {full}")
-    order = list(range(len(train)))
-    random.Random(f"scaling:{seed}").shuffle(order)
-    rows = train.select(sorted(order[:n]))
+    rows = train.select(sorted(permutation(len(train), seed)[:n]))
     val = datasets.load_from_disk(str(full / "val"))
     digest = token_ids_sha256({name: [Tokenized(list(r), []) for r in ds["input_ids"]]
                                for name, ds in (("train", rows), ("val", val))})
     return rows, len(train), digest
-
-
-def subset_digest(full: Path, n: int, seed: int) -> str:
-    return subset(full, n, seed)[2]
 
 
 def write_subset(full: Path, out: Path, n: int, seed: int) -> dict:
@@ -217,6 +232,20 @@ def slope(points: list[tuple[int, float]]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
+GOAL_TAU3, GOAL_ACC1 = 2.0, 0.55  # issue 55's goals on the test sets, for the extrapolation the table prints
+
+
+def reach(points: list[tuple[int, float]], per_doubling: float, goal: float) -> str:
+    """The data size at which the least-squares line of `points` over log2 n reaches `goal` (an extrapolation)."""
+    xs, ys = [math.log2(n) for n, _ in points], [y for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    if my >= goal:
+        return "the sizes measured"
+    if per_doubling <= 0:
+        return "no size (the line does not rise)"
+    return f"~{2 ** (mx + (goal - my) / per_doubling):,.0f}"
+
+
 def table(recipe: str) -> None:
     runs = sorted((json.loads(p.read_text()) for p in RESULTS.glob(f"data-scaling-{recipe}-n*.json")),
                   key=lambda r: r["size"])
@@ -233,9 +262,15 @@ def table(recipe: str) -> None:
         print(f"| {r['size']:,} | {r['train_tokens']:,} | " + " | ".join(cells)
               + f" | {(r['seconds'].get('train_logged') or r['seconds']['train']) / 60:.1f} | {r['processor']} |")
     for n in names:
-        s = slope([(r["size"], r["sets"][n]["tau3"]["value"]) for r in runs if n in r["sets"]])
-        print(f"{n}: τ(3) {'+' if s is not None and s >= 0 else ''}{s:.3f} per doubling of the data" if s is not None
-              else f"{n}: one size")
+        pts = [(r["size"], r["sets"][n]["tau3"]["value"]) for r in runs if n in r["sets"]]
+        acc = [(r["size"], r["sets"][n]["acceptance_by_position"][0]) for r in runs if n in r["sets"]]
+        s, a = slope(pts), slope(acc)
+        if s is None:
+            print(f"{n}: one size")
+            continue
+        print(f"{n}: τ(3) {s:+.3f} and first-position acceptance {a:+.3f} per doubling of the data; on these lines "
+              f"(an extrapolation) τ(3) {GOAL_TAU3} at {reach(pts, s, GOAL_TAU3)} and acceptance {GOAL_ACC1} at "
+              f"{reach(acc, a, GOAL_ACC1)} conversations")
     if runs[-1].get("timed"):
         for n, s in runs[-1]["timed"].items():
             print(f"largest size, {n}: speed-up {s['speedup']['value']:.2f}x [{s['speedup']['low']:.2f}, "
@@ -309,7 +344,7 @@ def main() -> int:
         if out.is_file() and n not in args.redo:
             done = json.loads(out.read_text())
             digest = subset_manifest(full, n, args.seed)["token_ids_sha256"] if n == rows else \
-                subset_digest(full / "data", n, args.seed)
+                subset(full / "data", n, args.seed)[2]
             if done["data"]["token_ids_sha256"] != digest:
                 sys.exit(f"data_scaling: {out} was made from other data (sha256 {done['data']['token_ids_sha256'][:12]} "
                          f"against {digest[:12]} now): rerun with --redo {n}")
