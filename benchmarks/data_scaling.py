@@ -55,7 +55,7 @@ def mtp(stage: str, recipe: str, run_dir: Path, *overrides: str) -> float:
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     if subprocess.run(cmd, cwd=ROOT).returncode != 0:
-        sys.exit(f"data_scaling: `{' '.join(cmd[2:])}` failed")
+        sys.exit(f"{Path(sys.argv[0]).stem}: `{' '.join(cmd[2:])}` failed")
     return time.perf_counter() - t0
 
 

@@ -111,7 +111,8 @@ def run_variant(grid: dict, v: dict, base: Path, ref_tokens: int | None) -> dict
     d, recipe = definition(grid, v), grid["recipe"]
     common = stage_overrides(d)
     work = base / v["name"]
-    seconds = {"prepare": mtp("prepare", recipe, work / "full", *common)}
+    # the benchmark's own run: a changed definition makes its data again
+    seconds = {"prepare": mtp("prepare", recipe, work / "full", *common, "data.overwrite=true")}
     full = work / "full" / "data"
     manifest = json.loads((full / "manifest.json").read_text())
     rows, tokens = manifest["splits"]["train"]["samples"], manifest["splits"]["train"]["tokens"]
@@ -176,11 +177,11 @@ def compare(r: dict, ref: dict) -> dict:
     return {"tau": interval(tau, mine), "diff": interval(tau - ref_tau, diff)}
 
 
-def table(grid: dict) -> int:
+def table(grid: dict, results: Path = RESULTS) -> int:
     runs = {v["name"]: json.loads(p.read_text()) for v in grid["variants"]
-            if (p := RESULTS / f"{grid['recipe']}-{v['name']}.json").is_file()}
+            if (p := results / f"{grid['recipe']}-{v['name']}.json").is_file()}
     if grid["reference"] not in runs:
-        print(f"no {grid['recipe']}-{grid['reference']}.json in {RESULTS}: the reference is not judged yet")
+        print(f"no {grid['recipe']}-{grid['reference']}.json in {results}: the reference is not judged yet")
         return 0
     ref, k = runs[grid["reference"]], grid["dev"]["k"]
     names = grid["dev"]["prompts"]
@@ -239,6 +240,7 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=None, help="these variants (the reference is made first when needed)")
     ap.add_argument("--redo", nargs="*", default=[], help="variants to run again whatever their JSON says")
     ap.add_argument("--table", action="store_true", help="only the table and the verdicts from the JSONs")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where the JSONs go")
     args = ap.parse_args()
     grid = yaml.safe_load(Path(args.grid).read_text())
     names = [v["name"] for v in grid["variants"]]
@@ -247,13 +249,13 @@ def main() -> int:
     if unknown := sorted(set(args.only or []) - set(names)):
         sys.exit(f"data_variants: no variant {unknown} in {args.grid} (variants: {', '.join(names)})")
     if args.table:
-        return table(grid)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+        return table(grid, args.results)
+    args.results.mkdir(parents=True, exist_ok=True)
     todo = [v for v in grid["variants"] if args.only is None or v["name"] in args.only or v["name"] == grid["reference"]]
     todo.sort(key=lambda v: v["name"] != grid["reference"])  # the reference first: the others take its tokens
     ref_tokens = None
     for v in todo:
-        out = RESULTS / f"{grid['recipe']}-{v['name']}.json"
+        out = args.results / f"{grid['recipe']}-{v['name']}.json"
         if out.is_file() and v["name"] not in args.redo:
             done = json.loads(out.read_text())
             if done["definition"] != definition(grid, v):
@@ -268,7 +270,7 @@ def main() -> int:
             print(f"data_variants: wrote {out}")
         if v["name"] == grid["reference"]:
             ref_tokens = done["data"]["train_tokens"]
-    return table(grid)
+    return table(grid, args.results)
 
 
 if __name__ == "__main__":
