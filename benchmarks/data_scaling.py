@@ -223,13 +223,14 @@ def failures(report: dict) -> list[str]:
         f"{s['name']}: greedy identity not checked" for s in report["sets"] if "greedy_identical_prompts" not in s]
 
 
-def slope(points: list[tuple[int, float]]) -> float | None:
-    """Least-squares τ per doubling of the data."""
+def fit(points: list[tuple[int, float]]) -> tuple[float, float, float] | None:
+    """The least-squares line of the points over log2 n: (its slope, τ per doubling of the data; the mean log2 n;
+    the mean value), or None for one point."""
     if len(points) < 2:
         return None
     xs, ys = [math.log2(n) for n, _ in points], [t for _, t in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), mx, my
 
 
 # issue 55's goals on the test sets (τ(3) per set, None: the others; first-position acceptance), for the
@@ -237,10 +238,9 @@ def slope(points: list[tuple[int, float]]) -> float | None:
 GOAL_TAU3, GOAL_ACC1 = {"functions-test": 1.9, None: 2.0}, 0.55
 
 
-def reach(points: list[tuple[int, float]], per_doubling: float, goal: float) -> str:
-    """The data size at which the least-squares line of `points` over log2 n reaches `goal` (an extrapolation)."""
-    xs, ys = [math.log2(n) for n, _ in points], [y for _, y in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+def reach(line: tuple[float, float, float], goal: float) -> str:
+    """The data size at which the line (`fit`) reaches `goal` (an extrapolation)."""
+    per_doubling, mx, my = line
     if my >= goal:
         return "the sizes measured"
     if per_doubling <= 0:
@@ -278,13 +278,13 @@ def table(recipe: str) -> None:
         goal = GOAL_TAU3.get(n, GOAL_TAU3[None])
         pts = [(r["size"], r["sets"][n]["tau3"]["value"]) for r in runs if n in r["sets"]]
         acc = [(r["size"], r["sets"][n]["acceptance_by_position"][0]) for r in runs if n in r["sets"]]
-        s, a = slope(pts), slope(acc)
+        s, a = fit(pts), fit(acc)
         if s is None:
             print(f"{n}: one size")
             continue
-        print(f"{n}: τ(3) {s:+.3f} and first-position acceptance {a:+.3f} per doubling of the data; on these lines "
-              f"(an extrapolation) τ(3) {goal} at {reach(pts, s, goal)} and acceptance {GOAL_ACC1} at "
-              f"{reach(acc, a, GOAL_ACC1)} conversations")
+        print(f"{n}: τ(3) {s[0]:+.3f} and first-position acceptance {a[0]:+.3f} per doubling of the data; on these lines "
+              f"(an extrapolation) τ(3) {goal} at {reach(s, goal)} and acceptance {GOAL_ACC1} at "
+              f"{reach(a, GOAL_ACC1)} conversations")
     if runs[-1].get("timed"):
         for n, s in runs[-1]["timed"].items():
             print(f"largest size, {n}: speed-up {s['speedup']['value']:.2f}x [{s['speedup']['low']:.2f}, "
