@@ -311,6 +311,20 @@ def test_trainer_speed_sets_each_peer_against_ours_with_as_many_layers():
     assert like["specforge"]["ours"] == "ours" and like_for_like({"speculators": 1.0}, {"speculators": 1}) == {}
 
 
+def test_trainer_speed_ratios_with_the_profiled_kernels_taken_out():
+    """The peer's attention and loss (its CPU fallbacks) taken out of its time, then both sides': a peer 2x slower
+    whose fallbacks are 60% of its step is 0.8x ours without them; ours with 20% in the same kernels, 1.0x."""
+    from trainer_speed import like_for_like
+
+    profiles = {"ours": {"share_total": 0.2}, "speculators": {"share_total": 0.6}}
+    like = like_for_like({"ours": 1000.0, "speculators": 500.0}, {"ours": 1, "speculators": 1}, profiles)
+    assert like["speculators"]["ratio"] == pytest.approx(2.0)
+    assert like["speculators"]["ratio_peer_kernels_out"] == pytest.approx(0.8)
+    assert like["speculators"]["ratio_kernels_out"] == pytest.approx(1.0)
+    assert "ratio_kernels_out" not in like_for_like({"ours": 1.0, "speculators": 1.0},
+                                                    {"ours": 1, "speculators": 1})["speculators"]  # not profiled
+
+
 def test_a_rejudging_records_each_heads_own_settings_and_every_speculators_rows(tmp_path):
     import side_by_side as sbs
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adjust import Adjustments  # noqa: E402
+from step_profile import profiled  # noqa: E402
 
 
 def target_view(target: Path, out: Path) -> tuple[Path, bool]:
@@ -159,6 +160,8 @@ def main() -> None:
     ap.add_argument("--peers", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--record", type=Path, required=True)
+    ap.add_argument("--profile", nargs=3, metavar=("FIRST", "LAST", "OUT"), default=None,
+                    help="profile optimizer steps FIRST..LAST by category (step_profile.py) into OUT")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch", type=int, default=8)
@@ -196,7 +199,8 @@ def main() -> None:
 
     start = time.perf_counter()
     try:
-        rc = specforge(["train", "--config", str(config), *overrides])
+        with profiled("specforge", args.profile):
+            rc = specforge(["train", "--config", str(config), *overrides])
         if rc == 0:
             rc = specforge(["export", "--to", "hf", "--checkpoint", str(work / "output" / "specforge-run-latest"),
                             "--draft-config", str(work / "draft.json"), "--output-dir", str(work / "export-hf"),

@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adjust import Adjustments  # noqa: E402
+from step_profile import profiled  # noqa: E402
 
 REQUIRED_FLAGS = {"--draft-attn-impl": "sdpa", "--loss-implementation": "eager"}
 
@@ -106,6 +107,8 @@ def adjust(adj: Adjustments, steps: list[dict], tokens: list[int], outside: list
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--record", type=Path, required=True)
+    ap.add_argument("--profile", nargs=3, metavar=("FIRST", "LAST", "OUT"), default=None,
+                    help="profile optimizer steps FIRST..LAST by category (step_profile.py) into OUT")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     ns = ap.parse_args()
     argv = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
@@ -124,7 +127,8 @@ def main() -> None:
 
     start = time.perf_counter()
     try:
-        train(TrainConfig.resolve(argv))
+        with profiled("speculators", ns.profile):
+            train(TrainConfig.resolve(argv))
     finally:
         ends = [s["t"] - start for s in steps]
         adj.write(ns.record, {"argv": argv, "step_end_s": ends, "step_tokens": tokens[:len(ends)],

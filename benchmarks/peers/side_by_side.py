@@ -181,10 +181,12 @@ def speculators_settings(args, norms: bool = False) -> list[str]:
 
 
 def speculators(args, peers: dict, work: Path, name: str = "speculators", norms: bool = False,
-                settings: list[str] | None = None, seq: int | None = None, epochs: int | None = None) -> dict:
+                settings: list[str] | None = None, seq: int | None = None, epochs: int | None = None,
+                profile: tuple[int, int] | None = None) -> dict:
     """speculators trained in work/name: the data, vocabulary, CPU and step flags here, its training settings
     `settings` (default: the matched ones), rows of `seq` tokens (default: micro_batch x the mean train length)
-    over `epochs` epochs (default: those that hold the steps at `seq` tokens a row)."""
+    over `epochs` epochs (default: those that hold the steps at `seq` tokens a row); with `profile` (first, last),
+    those steps profiled by category (step_profile.py) into work/name/profile.json."""
     out = work / name
     record = out / "record.json"
     settings = speculators_settings(args, norms) if settings is None else settings
@@ -193,7 +195,8 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
     # step): exactly the epochs that hold the steps, so its last checkpoint is the one at --max-steps
     epochs = epochs or math.ceil(args.steps * seq / peers["tokens"]["train"])
     cmd = [str(ROOT / ".venv-speculators" / "bin" / "python"), str(HERE / "run_speculators.py"), "--record",
-           str(record), "--", "--verifier-name-or-path", peers["target"], "--data-path", peers["speculators"]["dir"],
+           str(record), *profile_flags(profile, out), "--", "--verifier-name-or-path", peers["target"],
+           "--data-path", peers["speculators"]["dir"],
            "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
            "--draft-vocab-size", str(peers["draft_vocab"]), "--d2t-path", peers["speculators"]["d2t"],
            "--t2d-path", peers["speculators"]["t2d"], "--target-layer-ids", *map(str, peers["aux_layers"]),
@@ -203,8 +206,9 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
            "--train-data-ratio", str(peers["train_data_ratio"]), "--mask-token-id", str(args.mask_token_id),
            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
     earlier = json.loads(record.read_text()) if record.is_file() else {}
+    argv = cmd[cmd.index("--") + 1:]  # speculators' own arguments
     # a record is written even by a run that died (its `finally`): reused only when it made every step
-    if not (args.reuse and earlier.get("argv") == cmd[5:] and len(earlier.get("step_end_s", [])) == args.steps):
+    if not (args.reuse and earlier.get("argv") == argv and len(earlier.get("step_end_s", [])) == args.steps):
         shutil.rmtree(out / "checkpoints", ignore_errors=True)  # it resumes from checkpoints it finds
         run(cmd, out / "log.txt")
     rec = json.loads(record.read_text())
@@ -212,7 +216,8 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
     # its last epoch's checkpoint (the one at --max-steps), not checkpoint_best (chosen on the held-out split)
     export = max((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
     return {"export": export, "speed": speed(rec["step_end_s"], rec["step_tokens"], rec.get("outside_s", [])),
-            "adjustments": rec["adjustments"], "total_seq_len": seq, "norms": norms, "settings": cmd[5:]}
+            "adjustments": rec["adjustments"], "total_seq_len": seq, "norms": norms, "settings": argv,
+            **profile_record(profile, out)}
 
 
 def specforge_settings(args) -> list[str]:
@@ -222,16 +227,16 @@ def specforge_settings(args) -> list[str]:
 
 
 def specforge(args, peers_json: Path, work: Path, name: str = "specforge", settings: list[str] | None = None,
-              overrides: list[str] = ()) -> dict:
+              overrides: list[str] = (), profile: tuple[int, int] | None = None) -> dict:
     """SpecForge trained in work/name with `settings` (run_specforge.py's flags; default: the matched ones) and
-    its dotted config `overrides`."""
+    its dotted config `overrides`; with `profile` (first, last), as speculators()."""
     out = work / name
     record = out / "record.json"
     settings = specforge_settings(args) if settings is None else settings
     cmd = [str(ROOT / ".venv-specforge" / "bin" / "python"), str(HERE / "run_specforge.py"), "--peers",
            str(peers_json), "--work", str(out), "--record", str(record), "--steps", str(args.steps),
            "--epochs", "100", "--batch", str(args.micro_batch), *settings, "--seed", str(args.seed),
-           *(["--", *overrides] if overrides else [])]
+           *profile_flags(profile, out), *(["--", *overrides] if overrides else [])]
     export = out / "export-hf"
     stamp = out / "command.json"
     if not (args.reuse and record.is_file() and (export / "config.json").is_file() and stamp.is_file()
@@ -241,7 +246,24 @@ def specforge(args, peers_json: Path, work: Path, name: str = "specforge", setti
     rec = json.loads(record.read_text())
     steps_made(rec, args.steps, "SpecForge", out / "log.txt")
     return {"export": export, "speed": speed(rec["step_end_s"], rec["step_tokens"]),
-            "adjustments": rec["adjustments"], "norms": False, "settings": cmd[2:]}
+            "adjustments": rec["adjustments"], "norms": False, "settings": cmd[2:], **profile_record(profile, out)}
+
+
+def profile_flags(profile: tuple[int, int] | None, out: Path) -> list[str]:
+    """A peer launcher's --profile flags: steps profile[0]..profile[1] into out/profile.json."""
+    if profile is None:
+        return []
+    (out / "profile.json").unlink(missing_ok=True)
+    return ["--profile", str(profile[0]), str(profile[1]), str(out / "profile.json")]
+
+
+def profile_record(profile: tuple[int, int] | None, out: Path) -> dict:
+    if profile is None:
+        return {}
+    rec = json.loads((out / "profile.json").read_text())
+    if rec.get("error"):
+        raise RuntimeError(f"{out}: profile: {rec['error']}")
+    return {"profile": rec}
 
 
 def steps_made(record: dict, asked: int, peer: str, log: Path) -> None:

@@ -59,7 +59,12 @@ def main() -> None:
     ap.add_argument("--peer-layers", type=int, default=1, help="speculators' decoder layers (side_by_side.py's "
                     "option; a variant of ours with head.num_layers=N is the matched run)")
     ap.add_argument("--tag", default="", help="a suffix for the JSON's name (a later run beside an earlier one)")
+    ap.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "LAST"), default=None,
+                    help="after the rounds, one more run of each trainer with its steps FIRST..LAST profiled by "
+                    "category (step_profile.py: attention, loss) and the ratios with those shares taken out")
     args = ap.parse_args()
+    if args.profile and not 2 <= args.profile[0] <= args.profile[1] <= args.steps:
+        ap.error(f"--profile {args.profile[0]} {args.profile[1]}: give 2 <= FIRST <= LAST <= --steps {args.steps}")
     if args.peer_layers < 1:
         ap.error(f"--peer-layers {args.peer_layers}: speculators' decoder layers, 1 or more")
     peer_trainers = [t for t in args.trainers if t != "ours"]
@@ -80,8 +85,8 @@ def main() -> None:
     args.warmup, args.reuse = max(1, args.steps // 10), False
     matched = sbs.matched_overrides(sbs.common_overrides(layers), args)
     variants = dict(v.split("=", 1) for v in args.variants)
-    peers_run = {"speculators": lambda work: sbs.speculators(args, peers, work),
-                 "specforge": lambda work: sbs.specforge(args, peers_json, work)}
+    peers_run = {"speculators": lambda work, profile=None: sbs.speculators(args, peers, work, profile=profile),
+                 "specforge": lambda work, profile=None: sbs.specforge(args, peers_json, work, profile=profile)}
     # ours, then a peer, then a variant of ours, then the other peer: what a drifting host does weighs on all
     order = [n for n in ("ours", "speculators") if n in args.trainers] + [f"ours-{v}" for v in variants] + \
         (["specforge"] if "specforge" in args.trainers else [])
@@ -96,21 +101,40 @@ def main() -> None:
                 rounds[n].append(sbs.ours(args, [*matched, *extra], n, work, timing_only=True)["speed"])
         print(f"round {r}: " + ", ".join(f"{n} {v[-1]['tokens_per_s']:.0f} tok/s" for n, v in rounds.items()),
               flush=True)
+    profiles = {}
+    if args.profile:  # one more run each, profiled (the profiler's overhead stays out of the rounds' figures)
+        from step_profile import profiled
+
+        work = args.work / f"profile-{args.steps}"
+        for n in order:
+            if n in peers_run:
+                profiles[n] = peers_run[n](work, tuple(args.profile))["profile"]
+            else:
+                extra = sbs.split_overrides(variants[n[5:]]) if n != "ours" else []
+                with profiled("ours", [*args.profile, work / n / "profile.json"]) as prof:
+                    sbs.ours(args, [*matched, *extra], n, work, timing_only=True)
+                profiles[n] = {"trainer": "ours", **prof.record()}
+            print(f"profile {n}: " + ", ".join(f"{c} {x['share']:.1%}" for c, x in profiles[n]["categories"].items())
+                  + f" of its steps {args.profile[0]}..{args.profile[1]} (profiler overhead "
+                  f"{profiles[n]['overhead']:.2f}x)", flush=True)
     median = {n: statistics.median(x["tokens_per_s"] for x in v) for n, v in rounds.items()}
     layers = {"ours": 1, **{f"ours-{v}": layer_count(sbs.split_overrides(o)) for v, o in variants.items()},
               "speculators": args.peer_layers, "specforge": 1}
-    like = like_for_like(median, layers)
+    like = like_for_like(median, layers, profiles)
     print(f"\ntrainer tokens/s, {args.steps} steps x {args.micro_batch} samples, depth {args.depth}, {args.rounds} "
           f"interleaved rounds ({machine(torch.get_num_threads())})")
     for n, v in rounds.items():
         print(f"{n:<18}" + "".join(f"{x['tokens_per_s']:>9.0f}" for x in v) + f"   median {median[n]:.0f}"
-              + (f"   {like[n]['ours']} / this {like[n]['ratio']:.2f} ({layers[n]} layers)" if n in like else ""))
+              + (f"   {like[n]['ours']} / this {like[n]['ratio']:.2f} ({layers[n]} layers)" if n in like else "")
+              + (f"; without its attention and loss {like[n]['ratio_peer_kernels_out']:.2f}, without both sides' "
+                 f"{like[n]['ratio_kernels_out']:.2f}" if n in like and "ratio_kernels_out" in like[n] else ""))
     name = "peers-trainer_speed" + ("" if args.steps == 20 else f"-{args.steps}") + (f"-{args.tag}" if args.tag else "")
     out = HERE.parent / "results" / f"{name}.json"
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": machine(torch.get_num_threads()),
                                "command": command("peers/trainer_speed.py", args), "matched_overrides": matched,
                                "variants": variants, "rounds": rounds, "median_tokens_per_s": median,
                                "layers": {n: layers[n] for n in median}, "ours_over_peer": like,
+                               "profiles": profiles,
                                "fastest_peer": min(like, key=lambda p: like[p]["ratio"]) if like else None,
                                "ours_over_fastest_peer": min(x["ratio"] for x in like.values()) if like else None},
                               indent=1) + "\n")
@@ -122,15 +146,23 @@ def layer_count(overrides: list[str]) -> int:
     return next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("head.num_layers=")), 1)
 
 
-def like_for_like(median: dict[str, float], layers: dict[str, int]) -> dict:
+def like_for_like(median: dict[str, float], layers: dict[str, int], profiles: dict | None = None) -> dict:
     """Each peer against the run of ours with its layer count (a one-layer run of ours is not set against a
     two-layer peer): {peer: {"ours": run, "layers": n, "ratio": ours / peer}}; a peer with no such run of ours is
-    left out. The fastest peer is the one with the smallest ratio."""
+    left out. The fastest peer is the one with the smallest ratio. With both runs profiled, also the ratio with the
+    peer's attention and loss taken out of its time (`ratio_peer_kernels_out`: as if its CPU fallbacks cost
+    nothing, a bound in the peer's favour) and with both sides' taken out (`ratio_kernels_out`: the rest of the
+    step at equal, zero, kernels); a share is of the profiled run, applied to the rounds' median."""
     out = {}
     for peer in ("speculators", "specforge"):
         ours = next((n for n in median if n.startswith("ours") and layers[n] == layers.get(peer)), None)
         if peer in median and ours:
             out[peer] = {"ours": ours, "layers": layers[peer], "ratio": median[ours] / median[peer]}
+            if profiles and peer in profiles and ours in profiles:
+                rest = {n: 1 - profiles[n]["share_total"] for n in (ours, peer)}
+                out[peer].update(share_ours=profiles[ours]["share_total"], share_peer=profiles[peer]["share_total"],
+                                 ratio_peer_kernels_out=out[peer]["ratio"] * rest[peer],
+                                 ratio_kernels_out=out[peer]["ratio"] * rest[peer] / rest[ours])
     return out
 
 

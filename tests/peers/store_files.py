@@ -57,3 +57,14 @@ def final_norm(target: Path) -> tuple[torch.Tensor, float]:
     config = json.loads((target / "config.json").read_text())
     with safe_open(str(target / "model.safetensors"), "pt") as f:
         return f.get_tensor("model.norm.weight").float(), config["rms_norm_eps"]
+
+
+def check_profile(path: Path, trainer: str, steps: int) -> None:
+    """A launcher's --profile record: every scope of the trainer's categories fired, attention and loss each with
+    forward and backward time, and no moment counted twice."""
+    prof = json.loads(Path(path).read_text())
+    assert prof["trainer"] == trainer and prof["steps_made"] == steps and "error" not in prof, prof
+    cats = prof["categories"]
+    assert set(cats) == {"attention", "loss"}
+    assert all(c["forward_s"] > 0 and c["backward_s"] > 0 for c in cats.values()), cats
+    assert 0 < prof["share_total"] < 1.05

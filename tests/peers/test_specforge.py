@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("specforge", reason="SpecForge runs in its own venv: make peers")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from store_files import DIR, draft_ids, manifests, store_samples  # noqa: E402
+from store_files import DIR, check_profile, draft_ids, manifests, store_samples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,3 +90,18 @@ def test_it_trains_two_steps_with_the_cpu_adjustments_and_exports(peers):
         assert torch.equal(f.get_tensor("d2t"), mapping["d2t"])
         assert f.get_tensor("lm_head.weight").shape[0] == peers["draft_vocab"]
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight"} <= keys
+
+
+def test_its_steps_profiled_by_category(peers):
+    """run_specforge.py --profile: every scope of step_profile.CATEGORIES["specforge"] resolves in 0.2.0 and its
+    attention (the sdpa backend) and loss (the pure-torch loss, the target's probabilities and the lm_heads) are
+    timed, forward and backward."""
+    work = DIR / "specforge-profile"
+    shutil.rmtree(work, ignore_errors=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_specforge.py"),
+                           "--peers", str(DIR / "data" / "peers.json"), "--work", str(work), "--record",
+                           str(work / "record.json"), "--steps", "4", "--batch", "4", "--ttt", "3",
+                           "--warmup-steps", "1", "--profile", "3", "4", str(work / "profile.json")],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_profile(work / "profile.json", "specforge", 4)

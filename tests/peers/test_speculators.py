@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("speculators", reason="speculators runs in its own venv: make peers")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from store_files import DIR, draft_ids, final_norm, manifests, rms_norm, store_samples  # noqa: E402
+from store_files import DIR, check_profile, draft_ids, final_norm, manifests, rms_norm, store_samples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,3 +112,17 @@ def test_it_trains_two_steps_with_the_cpu_adjustments(peers):
     import numpy as np
 
     assert torch.equal(d2t, torch.from_numpy(np.load(peers["speculators"]["d2t"])))
+
+
+def test_its_steps_profiled_by_category(peers):
+    """run_speculators.py --profile: every scope of step_profile.CATEGORIES["speculators"] resolves in 0.9.0 and
+    its attention (the sdpa fallback and its dense mask) and loss (the eager loss and the lm_heads) are timed,
+    forward and backward."""
+    _, peers = peers
+    out = DIR / "speculators-profile"
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_speculators.py"), "--record",
+                           str(out / "record.json"), "--profile", "3", "4", str(out / "profile.json"), "--",
+                           *train_args(peers, out, 4)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_profile(out / "profile.json", "speculators", 4)
