@@ -348,3 +348,45 @@ def test_a_rejudging_records_each_heads_own_settings_and_every_speculators_rows(
     trained = {"speculators-2l": {"export": spec, "speed": None, "total_seq_len": 2300, "settings": ["--seed", "0"]}}
     sbs.save(out, SimpleNamespace(steps=50), ["train.steps=50"], None, trained, None)
     assert json.loads(out.read_text())["speculators_total_seq_len"] == {"speculators-2l": 2300}
+
+
+# -- the trainers' speed (speed.py) without training --------------------------------------------------------------
+def test_speed_windows_lie_in_epochs_one_and_two_and_are_checked():
+    import speed
+
+    s = GRID["speed"]
+    assert speed.windows(50, s) == [(s["warmup"] + 1, s["warmup"] + s["window"]), (51, 50 + s["window"])]
+    with pytest.raises(protocol.ProtocolError, match="raise speed.rows"):
+        speed.windows(s["warmup"] + s["window"] - 1, s)
+    wins = [(2, 3), (5, 6)]
+    ends = [1.0, 2.0, 3.0, 4.0, 10.0, 11.0]  # 5 s between steps 4 and 5: a peer's validation between epochs
+    assert speed.check_epochs("ours", wins, [0, 0, 0, 0, 1, 1], None, ends) == "the epoch logged at each step"
+    with pytest.raises(protocol.ProtocolError, match="expected 0 and 1"):  # the second window started in epoch 1
+        speed.check_epochs("ours", wins, [0, 0, 0, 0, 0, 1], None, ends)
+    assert "after step 4" in speed.check_epochs("speculators", wins, None, [[4.5, 9.5]], ends)
+    with pytest.raises(protocol.ProtocolError, match="no checkpointing or validation between steps 4 and 5"):
+        speed.check_epochs("speculators", wins, None, [[2.5, 2.7]], ends)
+    # tokens/s of steps 5..6: 20 tokens over the 7 s from the end of step 4, less the 5 s of validation in them
+    assert speed.window_speed(ends, [10] * 6, [[4.5, 9.5]], 5, 6) == pytest.approx(20 / 2)
+    assert speed.window_speed(ends, [10] * 6, [], 2, 3) == pytest.approx(20 / 2)
+
+
+def test_speed_summary_gives_each_epochs_ratio_with_its_spread_and_the_kernels_taken_out():
+    import speed
+
+    rounds = [{"ours": {"epoch1": 600.0, "epoch2": 900.0}, "speculators": {"epoch1": 400.0, "epoch2": 400.0}},
+              {"ours": {"epoch1": 660.0, "epoch2": 800.0}, "speculators": {"epoch1": 300.0, "epoch2": 400.0}},
+              {"ours": {"epoch1": 630.0, "epoch2": 1000.0}, "speculators": {"epoch1": 420.0, "epoch2": 500.0}}]
+    window = lambda share: {"share_total": share}  # noqa: E731
+    profiles = {"ours": {"results": [window(0.2), window(0.1)]},
+                "speculators": {"results": [window(0.6), window(0.5)]}}
+    s = speed.summary(rounds, profiles, {"ours": "recipe", "speculators": "defaults"})
+    assert s["tokens_per_s"]["ours"]["epoch2"] == {"median": 900.0, "min": 800.0, "max": 1000.0}
+    e1 = s["ours_over"]["speculators"]["epoch1"]
+    assert (e1["median"], e1["min"], e1["max"]) == pytest.approx((1.5, 1.5, 2.2))  # per round: 1.5, 2.2, 1.5
+    assert e1["peer_kernels_out"] == pytest.approx(1.5 * 0.4)  # the peer's 60% of attention and loss taken out
+    assert e1["kernels_out"] == pytest.approx(1.5 * 0.4 / 0.8)  # and ours' 20%
+    e2 = s["ours_over"]["speculators"]["epoch2"]
+    assert e2["median"] == pytest.approx(2.0) and e2["kernels_out"] == pytest.approx(2.0 * 0.5 / 0.9)
+    assert "kernels_out" not in speed.summary(rounds, {}, {"ours": "recipe", "speculators": "d"})["ours_over"][
+        "speculators"]["epoch1"]

@@ -55,14 +55,17 @@ def train(steps: int, optimizers: int = 1) -> None:
 
 
 def test_window_categories_forward_and_backward():
-    prof = step_profile.StepProfile(4, 6, {"loss": [f"{__name__}:toy_loss"]}, {"attention": "Attention$"},
+    prof = step_profile.StepProfile([(4, 6), (8, 9)], {"loss": [f"{__name__}:toy_loss"]}, {"attention": "Attention$"},
                                     {"loss": "out"}).install()  # the projection the loss reads, by its name
     try:
-        train(8, optimizers=2)  # two optimizers a step: still 8 steps
+        train(10, optimizers=2)  # two optimizers a step: still 10 steps
     finally:
         prof.remove()
     rec = prof.record()
-    assert rec["steps_made"] == 8 and rec["window"] == [4, 6] and "error" not in rec
+    assert rec["steps_made"] == 10 and rec["windows"] == [[4, 6], [8, 9]] and "error" not in rec
+    assert [w["window"] for w in rec["results"]] == [[4, 6], [8, 9]]
+    assert rec["results"][1]["categories"]["attention"]["share"] > 0.5  # the second window is profiled alike
+    rec = {**rec, **rec["results"][0]}
     cats = rec["categories"]
     assert set(cats) == {"attention", "loss"}
     att, loss = cats["attention"], cats["loss"]
@@ -77,19 +80,19 @@ def test_window_categories_forward_and_backward():
 
 def test_a_module_is_scoped_by_the_name_its_parent_gives_it():
     """Only `out` (a Linear) is in the category, not the attention's own Linear `proj` nor its products."""
-    prof = step_profile.StepProfile(2, 3, names={"head": "out"}).install()
+    prof = step_profile.StepProfile([(2, 3)], names={"head": "out"}).install()
     try:
         train(3)
     finally:
         prof.remove()
-    rec = prof.record()
+    rec = prof.record()["results"][0]
     assert set(rec["categories"]) == {"head"} and rec["categories"]["head"]["forward_s"] > 0
     assert rec["categories"]["head"]["share"] < 0.5  # the attention's products are not in it
 
 
 def test_remove_puts_everything_back_and_an_unreached_window_says_so():
     original = toy_loss
-    prof = step_profile.StepProfile(5, 9, {"loss": [f"{__name__}:toy_loss"]}, {"attention": "Attention$"}).install()
+    prof = step_profile.StepProfile([(5, 9)], {"loss": [f"{__name__}:toy_loss"]}, {"attention": "Attention$"}).install()
     assert sys.modules[__name__].toy_loss is not original
     try:
         train(3)
@@ -103,10 +106,11 @@ def test_remove_puts_everything_back_and_an_unreached_window_says_so():
 
 
 def test_window_must_leave_reference_steps():
-    for first, last in ((1, 4), (5, 4)):
+    for windows in ([(1, 4)], [(5, 4)], [(2, 4), (5, 6)], [(6, 8), (2, 3)]):
         try:
-            step_profile.StepProfile(first, last)
+            step_profile.StepProfile(windows)
         except ValueError as e:
             assert "2 <= first <= last" in str(e)
         else:
-            raise AssertionError(f"window {first}..{last} accepted")
+            raise AssertionError(f"windows {windows} accepted")
+    step_profile.StepProfile([(2, 4), (6, 6)])  # one unprofiled step between them

@@ -7,6 +7,7 @@ gets the same budget on the 1,200-conversation subset of the broad SmolLM2 data:
     .venv/bin/python benchmarks/peers/protocol.py --stage best
     .venv/bin/python benchmarks/peers/protocol.py --stage test
     .venv/bin/python benchmarks/peers/protocol.py --table
+    .venv/bin/python benchmarks/peers/protocol.py --stage speed   (the trainers' tokens/s: speed.py)
 
 Each stage first makes the data (each step skipped when up to date): the recipe prepared whole (the grid's
 `data.full`), the subset (data_scaling.py's write_subset), its store with the pre-norm final state, the peers'
@@ -56,7 +57,7 @@ def load_grid(path: Path = GRID) -> dict:
     import yaml
 
     grid = yaml.safe_load(Path(path).read_text())
-    for key in ("data", "budget", "seeds", "judge", "trainers"):
+    for key in ("data", "budget", "seeds", "judge", "trainers", "speed"):
         if key not in (grid or {}):
             raise ProtocolError(f"{path}: no `{key}:` section")
     for trainer in TRAINERS:
@@ -358,7 +359,7 @@ def sha256(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=("dev", "best", "test"))
+    ap.add_argument("--stage", choices=("dev", "best", "test", "speed"))
     ap.add_argument("--table", action="store_true", help="the table from the heads' JSONs (no data, no training)")
     ap.add_argument("--only", nargs="+", choices=TRAINERS, default=list(TRAINERS), help="the trainers this run does")
     ap.add_argument("--max-heads", type=int, default=None, help="train at most N heads in this run (a session's share)")
@@ -373,6 +374,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --stage dev|best|test or --table")
     try:
         grid = load_grid(args.grid)
+        if args.stage == "speed":
+            import torch
+
+            from speed import run_speed
+
+            os.environ.setdefault("WANDB_MODE", "offline")
+            torch.set_num_threads(min(2, os.cpu_count() or 1))
+            return run_speed(grid, args, prepare)
         if args.stage:
             import torch
 

@@ -160,8 +160,9 @@ def main() -> None:
     ap.add_argument("--peers", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--record", type=Path, required=True)
-    ap.add_argument("--profile", nargs=3, metavar=("FIRST", "LAST", "OUT"), default=None,
-                    help="profile optimizer steps FIRST..LAST by category (step_profile.py) into OUT")
+    ap.add_argument("--profile", nargs="+", metavar="OUT FIRST LAST", default=None,
+                    help="OUT FIRST LAST [FIRST LAST ...]: profile those optimizer steps by category (step_profile.py) "
+                    "into OUT")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch", type=int, default=8)

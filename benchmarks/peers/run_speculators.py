@@ -107,8 +107,9 @@ def adjust(adj: Adjustments, steps: list[dict], tokens: list[int], outside: list
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--record", type=Path, required=True)
-    ap.add_argument("--profile", nargs=3, metavar=("FIRST", "LAST", "OUT"), default=None,
-                    help="profile optimizer steps FIRST..LAST by category (step_profile.py) into OUT")
+    ap.add_argument("--profile", nargs="+", metavar="OUT FIRST LAST", default=None,
+                    help="OUT FIRST LAST [FIRST LAST ...]: profile those optimizer steps by category (step_profile.py) "
+                    "into OUT")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     ns = ap.parse_args()
     argv = ns.args[1:] if ns.args[:1] == ["--"] else ns.args

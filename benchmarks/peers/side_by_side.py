@@ -182,11 +182,11 @@ def speculators_settings(args, norms: bool = False) -> list[str]:
 
 def speculators(args, peers: dict, work: Path, name: str = "speculators", norms: bool = False,
                 settings: list[str] | None = None, seq: int | None = None, epochs: int | None = None,
-                profile: tuple[int, int] | None = None) -> dict:
+                profile: list[tuple[int, int]] | None = None) -> dict:
     """speculators trained in work/name: the data, vocabulary, CPU and step flags here, its training settings
     `settings` (default: the matched ones), rows of `seq` tokens (default: micro_batch x the mean train length)
-    over `epochs` epochs (default: those that hold the steps at `seq` tokens a row); with `profile` (first, last),
-    those steps profiled by category (step_profile.py) into work/name/profile.json."""
+    over `epochs` epochs (default: those that hold the steps at `seq` tokens a row); with `profile` [(first, last),
+    ...], those steps profiled by category (step_profile.py) into work/name/profile.json."""
     out = work / name
     record = out / "record.json"
     settings = speculators_settings(args, norms) if settings is None else settings
@@ -227,9 +227,9 @@ def specforge_settings(args) -> list[str]:
 
 
 def specforge(args, peers_json: Path, work: Path, name: str = "specforge", settings: list[str] | None = None,
-              overrides: list[str] = (), profile: tuple[int, int] | None = None) -> dict:
+              overrides: list[str] = (), profile: list[tuple[int, int]] | None = None) -> dict:
     """SpecForge trained in work/name with `settings` (run_specforge.py's flags; default: the matched ones) and
-    its dotted config `overrides`; with `profile` (first, last), as speculators()."""
+    its dotted config `overrides`; with `profile` [(first, last), ...], as speculators()."""
     out = work / name
     record = out / "record.json"
     settings = specforge_settings(args) if settings is None else settings
@@ -249,15 +249,15 @@ def specforge(args, peers_json: Path, work: Path, name: str = "specforge", setti
             "adjustments": rec["adjustments"], "norms": False, "settings": cmd[2:], **profile_record(profile, out)}
 
 
-def profile_flags(profile: tuple[int, int] | None, out: Path) -> list[str]:
-    """A peer launcher's --profile flags: steps profile[0]..profile[1] into out/profile.json."""
+def profile_flags(profile: list[tuple[int, int]] | None, out: Path) -> list[str]:
+    """A peer launcher's --profile flags: the steps of each window (first, last) into out/profile.json."""
     if profile is None:
         return []
     (out / "profile.json").unlink(missing_ok=True)
-    return ["--profile", str(profile[0]), str(profile[1]), str(out / "profile.json")]
+    return ["--profile", str(out / "profile.json"), *(str(step) for window in profile for step in window)]
 
 
-def profile_record(profile: tuple[int, int] | None, out: Path) -> dict:
+def profile_record(profile: list[tuple[int, int]] | None, out: Path) -> dict:
     if profile is None:
         return {}
     rec = json.loads((out / "profile.json").read_text())

@@ -7,17 +7,19 @@ A category is a set of scopes: functions (`module:attr.path`, replaced by the sa
 under a name that matches one (e.g. `lm_head`; both through torch's global forward hooks). Its forward time is
 the time inside its outermost scopes; its backward time is the time of the autograd nodes that the operations
 inside those scopes created (the profiler's sequence numbers tie each backward node to the forward operation it
-differentiates). The window's wall time is from the end of step
-`first - 1` to the end of step `last`; steps are counted by torch's global optimizer hook (a trainer that steps
-several optimizers a step is counted by its first one). The record also holds the steps before the window,
-unprofiled, so the profiler's own overhead shows (`overhead`: the window's mean step time over theirs).
+differentiates). A run may have several windows (e.g. one in each epoch); a window's wall time is from the end
+of step `first - 1` to the end of step `last`; steps are counted by torch's global optimizer hook (a trainer that
+steps several optimizers a step is counted by its first one). Each window's record also holds the unprofiled steps
+before it (after the previous window), so the profiler's own overhead shows (`overhead`: the window's mean step
+time over theirs).
 
 Used by the peers' launchers (`run_speculators.py`, `run_specforge.py`, in the peers' own venvs) and, for ours,
 as a wrapper around `python -m mtp_train train ...`:
 
     python benchmarks/peers/step_profile.py --window 6 15 --out PROFILE.json --trainer ours -- -m mtp_train train ...
 
-(`--trainer T` takes T's categories from CATEGORIES; `--function`, `--module`, `--name` give others.)
+(`--trainer T` takes T's categories from CATEGORIES; `--function`, `--module`, `--name` give others; `--window`
+again adds a window.)
 
 Imports nothing of mtp_train (the peers' venvs do not have it).
 """
@@ -64,21 +66,29 @@ CATEGORIES = {
 }
 
 
-def for_trainer(trainer: str, first: int, last: int) -> "StepProfile":
-    """The profile of `trainer`'s steps first..last with its categories (CATEGORIES), installed."""
+def for_trainer(trainer: str, windows: list[tuple[int, int]]) -> "StepProfile":
+    """The profile of `trainer`'s steps in `windows` ((first, last), ...) with its categories (CATEGORIES),
+    installed."""
     c = CATEGORIES[trainer]
-    return StepProfile(first, last, c["functions"], c["modules"], c["names"]).install()
+    return StepProfile(windows, c["functions"], c["modules"], c["names"]).install()
+
+
+def windows_of(flat: list) -> list[tuple[int, int]]:
+    """[FIRST, LAST, FIRST, LAST, ...] (a command line's) -> [(first, last), ...]"""
+    if len(flat) % 2 or not flat:
+        raise ValueError(f"profile windows {flat}: give FIRST LAST pairs")
+    return [(int(a), int(b)) for a, b in zip(flat[::2], flat[1::2])]
 
 
 @contextlib.contextmanager
-def profiled(trainer: str, spec: list[str] | None):
-    """A launcher's `--profile FIRST LAST OUT`: `trainer`'s steps FIRST..LAST profiled while the block runs, the
-    record written to OUT however the block ends; nothing when spec is None."""
+def profiled(trainer: str, spec: list | None):
+    """A launcher's `--profile OUT FIRST LAST [FIRST LAST ...]`: `trainer`'s steps in those windows profiled while
+    the block runs, the record written to OUT however the block ends; nothing when spec is None."""
     if spec is None:
         yield None
         return
-    first, last, out = int(spec[0]), int(spec[1]), Path(spec[2])
-    prof = for_trainer(trainer, first, last)
+    out = Path(spec[0])
+    prof = for_trainer(trainer, windows_of(spec[1:]))
     try:
         yield prof
     finally:
@@ -87,19 +97,23 @@ def profiled(trainer: str, spec: list[str] | None):
         out.write_text(json.dumps({"trainer": trainer, **prof.record()}, indent=1) + "\n")
 
 class StepProfile:
-    def __init__(self, first: int, last: int, functions: dict[str, list[str]] | None = None,
+    def __init__(self, windows: list[tuple[int, int]], functions: dict[str, list[str]] | None = None,
                  modules: dict[str, str] | None = None, names: dict[str, str] | None = None) -> None:
-        if not 2 <= first <= last:
-            raise ValueError(f"window {first}..{last}: give 2 <= first <= last (step 1 is warm-up, and the steps "
-                             "before the window are the unprofiled reference)")
-        self.first, self.last = first, last
+        self.windows = [(int(a), int(b)) for a, b in windows]
+        previous = None
+        for first, last in self.windows:
+            if not (2 if previous is None else previous + 2) <= first <= last:
+                raise ValueError(f"windows {self.windows}: give windows in order, each with 2 <= first <= last and "
+                                 "an unprofiled step between two windows (step 1 is warm-up, and the steps before "
+                                 "a window are its unprofiled reference)")
+            previous = last
         self.functions, self.modules = functions or {}, {c: re.compile(p) for c, p in (modules or {}).items()}
         self.names = {c: re.compile(p) for c, p in (names or {}).items()}
         self._named: dict[int, str] = {}  # id of a module registered under a matching name -> its category
         self._seen: set[int] = set()  # modules whose children were looked at
         self.step_end: list[float] = []
         self.profiler = None
-        self.result: dict | None = None
+        self.results: list[dict] = []
         self._optimizer = None
         self._open: dict[int, list] = {}
         self._undo: list = []  # how remove() puts back what install() changed
@@ -177,9 +191,9 @@ class StepProfile:
             return  # another optimizer of the same step
         self.step_end.append(time.perf_counter())
         done = len(self.step_end)
-        if done == self.first - 1:
+        if self.profiler is None and any(done == first - 1 for first, _ in self.windows):
             self._start()
-        elif done == self.last and self.profiler is not None:
+        elif self.profiler is not None and any(done == last for _, last in self.windows):
             self._stop()
 
     def _start(self) -> None:
@@ -193,24 +207,28 @@ class StepProfile:
         profiler.__exit__(None, None, None)
         for stack in self._open.values():  # a scope left open by a module whose forward raised
             stack.clear()
-        self.result = summarize(profiler.events(), self.step_end, self.first, self.last)
+        first, last = self.windows[len(self.results)]
+        since = self.windows[len(self.results) - 1][1] + 1 if self.results else 1  # the unprofiled steps before it
+        self.results.append(summarize(profiler.events(), self.step_end, first, last, since))
 
     # -- the record -----------------------------------------------------------------------------------------------
     def record(self) -> dict:
         scopes = {"functions": self.functions, "modules": {c: p.pattern for c, p in self.modules.items()},
                   "names": {c: p.pattern for c, p in self.names.items()}}
-        if self.result is None:
-            return {"window": [self.first, self.last], "steps_made": len(self.step_end), "scopes": scopes,
-                    "error": f"the run made {len(self.step_end)} steps: the window {self.first}..{self.last} "
-                             "was not reached"}
-        return {"window": [self.first, self.last], "steps_made": len(self.step_end), "scopes": scopes,
-                **self.result}
+        rec = {"windows": [list(w) for w in self.windows], "steps_made": len(self.step_end), "scopes": scopes,
+               "results": self.results}
+        if len(self.results) < len(self.windows):
+            missed = self.windows[len(self.results)]
+            rec["error"] = f"the run made {len(self.step_end)} steps: the window {missed[0]}..{missed[1]} was not " \
+                           "reached"
+        return rec
 
 
-def summarize(events, step_end: list[float], first: int, last: int) -> dict:
-    """The window's time by category (see the module's docstring) from the profiler's events."""
+def summarize(events, step_end: list[float], first: int, last: int, since: int = 1) -> dict:
+    """The window first..last's time by category (see the module's docstring) from the profiler's events; the
+    unprofiled reference is steps since+1..first-1."""
     wall = step_end[last - 1] - step_end[first - 2]
-    before = [b - a for a, b in zip(step_end[:first - 2], step_end[1:first - 1])]  # steps 2..first-1
+    before = [step_end[i] - step_end[i - 1] for i in range(since, first - 1)]  # steps since+1..first-1
     forward, backward = defaultdict(float), defaultdict(float)
     created: dict[str, set] = defaultdict(set)
     for e in events:
@@ -241,7 +259,7 @@ def summarize(events, step_end: list[float], first: int, last: int) -> dict:
     categories = {c: {"forward_s": forward[c], "backward_s": backward[c],
                       "share": (forward[c] + backward[c]) / wall if wall > 0 else None}
                   for c in sorted(set(forward) | set(created))}
-    return {"wall_s": wall, "step_s": wall / steps,
+    return {"window": [first, last], "wall_s": wall, "step_s": wall / steps,
             "step_s_before": (sum(before) / len(before)) if before else None,
             "overhead": (wall / steps) / (sum(before) / len(before)) if before else None,
             "categories": categories,
@@ -261,7 +279,7 @@ def parse_scopes(pairs: list[str], what: str) -> dict[str, list[str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--window", type=int, nargs=2, required=True, metavar=("FIRST", "LAST"))
+    ap.add_argument("--window", type=int, nargs=2, action="append", required=True, metavar=("FIRST", "LAST"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--trainer", choices=sorted(CATEGORIES), help="that trainer's categories (CATEGORIES)")
     ap.add_argument("--function", action="append", default=[], help="CATEGORY=module:attr.path")
@@ -274,11 +292,11 @@ def main() -> None:
     if not program:
         ap.error("give the program to run after --: -m MODULE ARGS... or SCRIPT ARGS...")
     if args.trainer:
-        prof = for_trainer(args.trainer, *args.window)
+        prof = for_trainer(args.trainer, args.window)
     else:
         modules = {c: "|".join(v) for c, v in parse_scopes(args.module, "--module").items()}
         names = {c: "|".join(v) for c, v in parse_scopes(args.name, "--name").items()}
-        prof = StepProfile(*args.window, parse_scopes(args.function, "--function"), modules, names).install()
+        prof = StepProfile(args.window, parse_scopes(args.function, "--function"), modules, names).install()
     try:
         if program[0] == "-m":
             sys.argv = [program[1], *program[2:]]

@@ -108,12 +108,12 @@ def main() -> None:
         work = args.work / f"profile-{args.steps}"
         for n in order:
             if n in peers_run:
-                profiles[n] = peers_run[n](work, tuple(args.profile))["profile"]
+                profiles[n] = peers_run[n](work, [tuple(args.profile)])["profile"]["results"][0]
             else:
                 extra = sbs.split_overrides(variants[n[5:]]) if n != "ours" else []
-                with profiled("ours", [*args.profile, work / n / "profile.json"]) as prof:
+                with profiled("ours", [work / n / "profile.json", *args.profile]) as prof:
                     sbs.ours(args, [*matched, *extra], n, work, timing_only=True)
-                profiles[n] = {"trainer": "ours", **prof.record()}
+                profiles[n] = prof.record()["results"][0]
             print(f"profile {n}: " + ", ".join(f"{c} {x['share']:.1%}" for c, x in profiles[n]["categories"].items())
                   + f" of its steps {args.profile[0]}..{args.profile[1]} (profiler overhead "
                   f"{profiles[n]['overhead']:.2f}x)", flush=True)

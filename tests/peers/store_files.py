@@ -64,7 +64,9 @@ def check_profile(path: Path, trainer: str, steps: int) -> None:
     forward and backward time, and no moment counted twice."""
     prof = json.loads(Path(path).read_text())
     assert prof["trainer"] == trainer and prof["steps_made"] == steps and "error" not in prof, prof
-    cats = prof["categories"]
-    assert set(cats) == {"attention", "loss"}
-    assert all(c["forward_s"] > 0 and c["backward_s"] > 0 for c in cats.values()), cats
-    assert 0 < prof["share_total"] < 1.05
+    assert len(prof["results"]) == len(prof["windows"])
+    for window in prof["results"]:
+        cats = window["categories"]
+        assert set(cats) == {"attention", "loss"}
+        assert all(c["forward_s"] > 0 and c["backward_s"] > 0 for c in cats.values()), cats
+        assert 0 < window["share_total"] < 1.05

@@ -100,8 +100,8 @@ def test_its_steps_profiled_by_category(peers):
     shutil.rmtree(work, ignore_errors=True)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_specforge.py"),
                            "--peers", str(DIR / "data" / "peers.json"), "--work", str(work), "--record",
-                           str(work / "record.json"), "--steps", "4", "--batch", "4", "--ttt", "3",
-                           "--warmup-steps", "1", "--profile", "3", "4", str(work / "profile.json")],
+                           str(work / "record.json"), "--steps", "5", "--batch", "4", "--ttt", "3",
+                           "--warmup-steps", "1", "--profile", str(work / "profile.json"), "2", "2", "4", "5"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    check_profile(work / "profile.json", "specforge", 4)
+    check_profile(work / "profile.json", "specforge", 5)

@@ -122,7 +122,7 @@ def test_its_steps_profiled_by_category(peers):
     out = DIR / "speculators-profile"
     shutil.rmtree(out, ignore_errors=True)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_speculators.py"), "--record",
-                           str(out / "record.json"), "--profile", "3", "4", str(out / "profile.json"), "--",
-                           *train_args(peers, out, 4)], capture_output=True, text=True, timeout=900)
+                           str(out / "record.json"), "--profile", str(out / "profile.json"), "2", "2", "4", "5",
+                           "--", *train_args(peers, out, 5)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    check_profile(out / "profile.json", "speculators", 4)
+    check_profile(out / "profile.json", "speculators", 5)

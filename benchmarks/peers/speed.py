@@ -1,0 +1,231 @@
+"""The peers protocol's trainer speed (`protocol.py --stage speed`; issue 56, item 6): each trainer's tokens/s as it
+trains the head it is judged by, ours as the recipe trains it (the grid's `recipe` configuration) and each peer at
+its best configuration on dev, side by side on the same data.
+
+The data is a nested subset of the protocol's (the same permutation, the grid's `speed.rows` rows: 50 steps an
+epoch at 8 samples a step), so that each run reaches its second epoch soon: our trainer reads in epoch 2 the target
+statistics it kept in epoch 1. Per round, in turns (ours, speculators, SpecForge, so that a host that drifts weighs
+on all alike), each trainer trains a fresh run of epoch 1 and `speed.window` steps of epoch 2, and its tokens/s is
+timed over two windows: `speed.window` steps after `speed.warmup` steps of epoch 1, and the first `speed.window`
+steps of epoch 2 (real tokens over wall time, less a peer's checkpointing and validation between epochs). After
+`speed.rounds` rounds, one more run of each trainer has `speed.profile` steps of each window profiled by category
+(`step_profile.py`: attention, loss), and the ratios are also given with the peer's, and with both sides', attention
+and loss taken out.
+
+Writes benchmarks/results/peers-protocol/speed.json after every round (a later run resumes from its rounds when the
+data and the configurations are the same) and prints the table. Exits non-zero when a run makes other steps than
+asked, when a window is not in the epoch it should be, or when a peer's best configuration is not known yet.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from protocol import PEERS, ProtocolError, best_config, configuration, load_heads, packed_rows, speculators_rows
+
+ORDER = ("ours", "speculators", "specforge")
+
+
+def windows(epoch1_steps: int, s: dict) -> list[tuple[int, int]]:
+    """The timed windows: steps warmup+1..warmup+window of epoch 1 and the first `window` steps of epoch 2."""
+    if epoch1_steps < s["warmup"] + s["window"]:
+        raise ProtocolError(f"speed: epoch 1 has {epoch1_steps} steps, fewer than speed.warmup + speed.window "
+                            f"({s['warmup']} + {s['window']}): raise speed.rows in the grid")
+    return [(s["warmup"] + 1, s["warmup"] + s["window"]), (epoch1_steps + 1, epoch1_steps + s["window"])]
+
+
+def window_speed(ends: list[float], tokens: list[int], outside: list[list[float]], first: int, last: int) -> float:
+    """Real tokens per second of steps first..last: their tokens over the time from the end of step first-1 to the
+    end of step last, less the `outside` spans (a peer's checkpointing and validation) inside it."""
+    t0, t1 = ends[first - 2], ends[last - 1]
+    left_out = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in outside)
+    return sum(tokens[first - 1:last]) / (t1 - t0 - left_out)
+
+
+def ours_steps(run_dir: Path) -> tuple[list[float], list[int], list[int]]:
+    """(end time, real tokens, epoch) of each optimizer step of our run, from its metrics.jsonl (log_every=1)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train/tokens" in r]
+    return [r["time"] for r in rows], [r["train/tokens"] for r in rows], [r["epoch"] for r in rows]
+
+
+def check_epochs(name: str, wins: list[tuple[int, int]], epochs: list[int] | None, outside: list[list[float]] | None,
+                 ends: list[float]) -> str:
+    """Each window lies in its epoch: ours by the epoch it logged at every step; speculators by its checkpointing
+    and validation between the last step of epoch 1 and the first of epoch 2; SpecForge by construction (rows /
+    micro-batch steps an epoch, no step records its epoch). -> how it was checked."""
+    (a1, b1), (a2, b2) = wins
+    if epochs is not None:
+        if set(epochs[a1 - 1:b1]) != {0} or set(epochs[a2 - 1:b2]) != {1}:
+            raise ProtocolError(f"speed: {name}: steps {a1}..{b1} logged epochs {sorted(set(epochs[a1 - 1:b1]))} and "
+                                f"steps {a2}..{b2} {sorted(set(epochs[a2 - 1:b2]))}: expected 0 and 1")
+        return "the epoch logged at each step"
+    if outside is not None:
+        if not any(ends[a2 - 2] <= a <= ends[a2 - 1] for a, _ in outside):
+            raise ProtocolError(f"speed: {name}: no checkpointing or validation between steps {a2 - 1} and {a2}: "
+                                "its epoch 1 is not the one the protocol replayed")
+        return "its validation between epochs, after step " + str(a2 - 1)
+    return "by construction: rows / micro-batch steps an epoch"
+
+
+def run_trainer(ctx: SimpleNamespace, trainer: str, config: str, work: Path, epoch1: int,
+                profile: list[tuple[int, int]] | None = None) -> dict:
+    """One fresh run of `trainer` at `config` for epoch 1 and speed.window steps of epoch 2 -> its steps' end times,
+    tokens, the spans outside training, its epochs (ours) and its profile (with `profile`)."""
+    import side_by_side as sbs
+    from step_profile import profiled
+
+    s, conf, b = ctx.grid["speed"], configuration(ctx.grid, trainer, config), ctx.grid["budget"]
+    steps = epoch1 + s["window"]
+    args = SimpleNamespace(recipe=ctx.grid["data"]["recipe"], base=ctx.base, reuse=False, depth=ctx.cfg.train.depth,
+                           steps=steps, micro_batch=b["micro_batch"], seed=0, peer_layers=1, mask_token_id=2)
+    out = {"steps_asked": steps}
+    try:
+        if trainer == "ours":
+            fixed = [f["override"] for f in ctx.grid["trainers"]["ours"].get("fixed") or []]
+            with profiled("ours", None if profile is None else [work / trainer / "profile.json", *sum(profile, ())]
+                          ) as prof:
+                sbs.ours(args, [f"store.layers=[{ctx.layers}]", "target.device=cpu", f"train.steps={steps}",
+                                f"train.micro_batch={b['micro_batch']}", "train.seed=0", *fixed, *conf["overrides"]],
+                         trainer, work, timing_only=True)
+            ends, tokens, epochs = ours_steps(work / trainer)
+            out.update(ends=ends, tokens=tokens, epochs=epochs, outside=None)
+            if prof is not None:
+                out["profile"] = prof.record()
+        elif trainer == "speculators":
+            h = sbs.speculators(args, ctx.peers, work, trainer, settings=conf["flags"], seq=ctx.seq, epochs=2,
+                                profile=profile)
+            rec = json.loads((work / trainer / "record.json").read_text())
+            out.update(ends=rec["step_end_s"], tokens=rec["step_tokens"], outside=rec.get("outside_s", []),
+                       epochs=None, profile=h.get("profile"))
+        else:
+            h = sbs.specforge(args, ctx.peers_json, work, trainer, settings=conf["flags"], overrides=conf["overrides"],
+                              profile=profile)
+            rec = json.loads((work / trainer / "record.json").read_text())
+            out.update(ends=rec["step_end_s"], tokens=rec["step_tokens"], outside=None, epochs=None,
+                       profile=h.get("profile"))
+    except RuntimeError as e:  # a launcher's failure or a step count other than asked
+        raise ProtocolError(f"speed: {trainer} ({config}): {e}") from None
+    if len(out["ends"]) != steps:
+        raise ProtocolError(f"speed: {trainer} ({config}) made {len(out['ends'])} optimizer steps, {steps} asked")
+    return out
+
+
+def epoch1_steps(ctx: SimpleNamespace, trainer: str) -> int:
+    """Optimizer steps of epoch 1: rows / micro-batch (ours, SpecForge); speculators' packed rows of epoch 0 at
+    its --total-seq-len (its sampler replayed)."""
+    if trainer == "speculators":
+        return len(packed_rows(ctx.lengths, ctx.seq, 0, 0))
+    rows, mb = ctx.grid["speed"]["rows"], ctx.grid["budget"]["micro_batch"]
+    if rows % mb:
+        raise ProtocolError(f"speed.rows {rows}: a multiple of budget.micro_batch ({mb}), so every epoch has whole steps")
+    return rows // mb
+
+
+def summary(rounds: list[dict], profiles: dict, chosen: dict) -> dict:
+    """Medians over rounds, the per-round ratios of ours over each peer (median, range), and with profiles the
+    ratios with attention and loss taken out (the window's shares of the profiled run, on the median ratio)."""
+    trainers = [t for t in ORDER if t in chosen]
+    out = {"tokens_per_s": {}, "ours_over": {}}
+    for t in trainers:
+        out["tokens_per_s"][t] = {e: {"median": statistics.median(r[t][e] for r in rounds),
+                                      "min": min(r[t][e] for r in rounds), "max": max(r[t][e] for r in rounds)}
+                                  for e in ("epoch1", "epoch2")}
+    for p in (t for t in trainers if t in PEERS):
+        out["ours_over"][p] = {}
+        for i, e in enumerate(("epoch1", "epoch2")):
+            ratios = [r["ours"][e] / r[p][e] for r in rounds]
+            x = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+            if "ours" in profiles and p in profiles:
+                share = {t: profiles[t]["results"][i]["share_total"] for t in ("ours", p)}
+                x.update(share_ours=share["ours"], share_peer=share[p],
+                         peer_kernels_out=x["median"] * (1 - share[p]),
+                         kernels_out=x["median"] * (1 - share[p]) / (1 - share["ours"]))
+            out["ours_over"][p][e] = x
+    return out
+
+
+def print_speed(rec: dict) -> None:
+    s = rec["summary"]
+    print(f"\ntrainer tokens/s, {len(rec['rounds'])} interleaved rounds, {rec['speed']['window']} steps timed in epoch 1 "
+          f"(after {rec['speed']['warmup']}) and in epoch 2; {rec['processor']}, {rec['machine']['threads']} threads")
+    print(f"{'trainer':<13}{'configuration':<15}{'epoch 1':>22}{'epoch 2':>22}")
+    for t, e in s["tokens_per_s"].items():
+        print(f"{t:<13}{rec['chosen'][t]:<15}" + "".join(
+            f"{x['median']:>10.0f} [{x['min']:.0f}, {x['max']:.0f}]".rjust(22) for x in e.values()))
+    for p, e in s["ours_over"].items():
+        for name, x in e.items():
+            line = f"ours / {p}, {name}: {x['median']:.2f} [{x['min']:.2f}, {x['max']:.2f}]"
+            if "kernels_out" in x:
+                line += (f"; attention and loss {x['share_peer']:.0%} of its step, {x['share_ours']:.0%} of ours: "
+                         f"without the peer's {x['peer_kernels_out']:.2f}, without both sides' {x['kernels_out']:.2f}")
+            print(line)
+
+
+def run_speed(grid: dict, args, prepare) -> int:
+    """The speed stage (the module's docstring); `prepare` is protocol.prepare."""
+    import torch
+
+    from mtp_train.validate.decoding import processor_name
+    from protocol import sha256
+    from timing import machine
+
+    s = grid["speed"]
+    heads = load_heads(args.results)
+    full = prepare(grid, args.work.resolve())  # the protocol's data: whose dev figures chose the peers' best
+    current = {n: h for n, h in heads.items() if h["dataset"]["token_ids_sha256"] == full.hash}
+    chosen = {t: "recipe" if t == "ours" else best_config(current, grid, t) for t in ORDER if t in args.only}
+    speed_grid = {**grid, "data": {**grid["data"], "rows": s["rows"]}}
+    ctx = prepare(speed_grid, args.work.resolve() / "speed")
+    ctx.seq = speculators_rows(ctx.lengths, 0, 2 * s["rows"] // grid["budget"]["micro_batch"],
+                               ctx.reference)["total_seq_len"]
+    epoch1 = {t: epoch1_steps(ctx, t) for t in chosen}
+    wins = {t: windows(epoch1[t], s) for t in chosen}
+    out_path = args.results / "speed.json"
+    key = {"dataset": ctx.dataset, "chosen_on": full.hash, "chosen": chosen, "speed": s,
+           "configurations": {t: configuration(grid, t, c) for t, c in chosen.items()}}
+    rec = json.loads(out_path.read_text()) if out_path.is_file() else {}
+    if any(rec.get(k) != v for k, v in key.items()):
+        rec = {}  # other data or other configurations: start again
+    rec = {**key, "windows": wins, "epoch1_steps": epoch1, "speculators_total_seq_len": ctx.seq,
+           "processor": processor_name(), "machine": machine(torch.get_num_threads()),
+           "grid_sha256": sha256(args.grid), "rounds": rec.get("rounds", []), "profiles": rec.get("profiles", {}),
+           "epoch_check": rec.get("epoch_check", {})}
+
+    def save() -> None:
+        rec["summary"] = summary(rec["rounds"], rec["profiles"], chosen) if rec["rounds"] else None
+        rec["date"] = time.strftime("%Y-%m-%d %H:%M")
+        args.results.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(rec, indent=1) + "\n")
+
+    while len(rec["rounds"]) < s["rounds"]:
+        r = len(rec["rounds"])
+        row = {}
+        for t, c in chosen.items():
+            print(f"protocol: speed round {r + 1}/{s['rounds']}: {t} ({c})", flush=True)
+            got = run_trainer(ctx, t, c, ctx.work / "speed" / f"round{r}", epoch1[t])
+            rec["epoch_check"][t] = check_epochs(t, wins[t], got["epochs"], got["outside"], got["ends"])
+            outside = got["outside"] or []
+            row[t] = {f"epoch{i + 1}": window_speed(got["ends"], got["tokens"], outside, a, b)
+                      for i, (a, b) in enumerate(wins[t])}
+            row[t]["tokens_per_step"] = statistics.fmean(got["tokens"])
+        rec["rounds"].append(row)
+        save()
+        print(f"protocol: speed round {r + 1}: " + ", ".join(
+            f"{t} {x['epoch1']:.0f} / {x['epoch2']:.0f} tok/s" for t, x in row.items()), flush=True)
+    for t, c in chosen.items():
+        if t not in rec["profiles"]:
+            print(f"protocol: speed: profiling {t} ({c})", flush=True)
+            prof = [(a, min(b, a + s["profile"] - 1)) for a, b in wins[t]]
+            got = run_trainer(ctx, t, c, ctx.work / "speed" / "profile", epoch1[t], profile=prof)
+            if not got.get("profile") or got["profile"].get("error"):
+                raise ProtocolError(f"speed: {t}: profile: {(got.get('profile') or {}).get('error', 'none written')}")
+            rec["profiles"][t] = got["profile"]
+            save()
+    save()
+    print_speed(rec)
+    return 0
