@@ -367,8 +367,50 @@ def test_speed_windows_lie_in_epochs_one_and_two_and_are_checked():
     with pytest.raises(protocol.ProtocolError, match="no checkpointing or validation between steps 4 and 5"):
         speed.check_epochs("speculators", wins, None, [[2.5, 2.7]], ends)
     # tokens/s of steps 5..6: 20 tokens over the 7 s from the end of step 4, less the 5 s of validation in them
-    assert speed.window_speed(ends, [10] * 6, [[4.5, 9.5]], 5, 6) == pytest.approx(20 / 2)
-    assert speed.window_speed(ends, [10] * 6, [], 2, 3) == pytest.approx(20 / 2)
+    import side_by_side as sbs
+
+    assert sbs.window_speed(ends, [10] * 6, [[4.5, 9.5]], 5, 6) == pytest.approx(20 / 2)
+    assert sbs.window_speed(ends, [10] * 6, [], 2, 3) == pytest.approx(20 / 2)
+    # the whole run's speed is the window of steps 2..N: 50 tokens over the 10 s after step 1, less 5 s outside
+    assert sbs.speed(ends, [10] * 6, [[4.5, 9.5]])["tokens_per_s"] == pytest.approx(50 / 5)
+
+
+def test_the_peer_launchers_return_their_records_steps_and_profile_only_the_run_just_made(tmp_path, monkeypatch):
+    import side_by_side as sbs
+
+    launched = []
+
+    def fake_run(cmd, log):  # the launcher: its record (3 steps, validation between 2 and 3), a checkpoint, a profile
+        launched.append(cmd)
+        out = log.parent
+        (out / "checkpoints" / "3").mkdir(parents=True, exist_ok=True)
+        (out / "export-hf").mkdir(exist_ok=True)
+        (out / "export-hf" / "config.json").write_text("{}")
+        argv = cmd[cmd.index("--") + 1:] if "--" in cmd and "run_speculators.py" in cmd[1] else cmd
+        (out / "record.json").write_text(json.dumps({"argv": argv, "step_end_s": [1.0, 2.0, 5.0], "step_tokens": [
+            10, 10, 10], "outside_s": [[2.5, 4.0]], "adjustments": {}}))
+        if "--profile" in cmd:
+            (out / "profile.json").write_text(json.dumps({"results": [{"share_total": 0.5}], "run": len(launched)}))
+
+    monkeypatch.setattr(sbs, "run", fake_run)
+    args = SimpleNamespace(micro_batch=2, steps=3, reuse=True, seed=0, peer_layers=1, mask_token_id=2, lr=2e-3,
+                           warmup=1, depth=3)
+    peers = {"mean_train_length": 5, "tokens": {"train": 100}, "target": "t", "draft_vocab": 8,
+             "aux_layers": [1, 2, 3], "train_data_ratio": 0.9, "speculators": {"dir": "d", "d2t": "a", "t2d": "b"}}
+    h = sbs.speculators(args, peers, tmp_path, profile=[(2, 3)])
+    assert h["steps"] == {"ends": [1.0, 2.0, 5.0], "tokens": [10, 10, 10], "outside": [[2.5, 4.0]]}
+    assert h["speed"]["tokens_per_s"] == pytest.approx(20 / 2.5) and h["profile"]["run"] == 1
+    # a profiled run is never reused, and the profile it returns is its own: a stale one is removed before it runs
+    (tmp_path / "speculators" / "profile.json").write_text(json.dumps({"results": [], "run": "stale"}))
+    monkeypatch.setattr(sbs, "run", lambda cmd, log: fake_run([c for c in cmd if c != "--profile"], log))
+    with pytest.raises(RuntimeError, match="wrote no profile.json"):  # a launcher that wrote none this time
+        sbs.speculators(args, peers, tmp_path, profile=[(2, 3)])
+    assert len(launched) == 2
+    monkeypatch.setattr(sbs, "run", fake_run)
+    assert "profile" not in sbs.speculators(args, peers, tmp_path)  # unprofiled: the same run reused
+    assert len(launched) == 2
+    f = sbs.specforge(args, tmp_path / "peers.json", tmp_path, profile=[(2, 3)])
+    assert f["steps"]["outside"] is None and f["steps"]["ends"] == [1.0, 2.0, 5.0] and f["profile"]["run"] == 3
 
 
 def test_speed_summary_gives_each_epochs_ratio_with_its_spread_and_the_kernels_taken_out():

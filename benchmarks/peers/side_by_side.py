@@ -161,14 +161,34 @@ def peer_teacher_forced(export: Path, cfg, depth: int) -> dict:
     return got
 
 
+def window_speed(ends: list[float], tokens: list[int], outside: list[list[float]], first: int, last: int) -> float:
+    """Real tokens per second of steps first..last (1-based): their tokens over the time from the end of step
+    first-1 to the end of step last, less the `outside` spans inside it (a peer's checkpointing and validation)."""
+    t0, t1 = ends[first - 2], ends[last - 1]
+    return sum(tokens[first - 1:last]) / (t1 - t0 - seconds_within(outside, t0, t1))
+
+
+def seconds_within(spans: list[list[float]], t0: float, t1: float) -> float:
+    """The seconds of `spans` ([start, end], ...) that lie between t0 and t1."""
+    return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans)
+
+
 def speed(ends: list[float], tokens: list[int], outside: list[list[float]] = ()) -> dict:
-    """tokens/s over steps 2..N (end times in seconds, real tokens per step), less the `outside` spans between
-    them (a peer's per-epoch checkpoints and validation; ours evaluates only before step 1 and after step N)."""
+    """tokens/s of the whole run: window_speed over steps 2..N (end times in seconds, real tokens per step), less
+    the `outside` spans (a peer's per-epoch checkpoints and validation; ours evaluates only before step 1 and after
+    step N)."""
     if len(ends) < 2:
         return {"tokens_per_s": None, "steps": len(ends)}
-    left_out = sum(max(0.0, min(b, ends[-1]) - max(a, ends[0])) for a, b in outside)
-    return {"tokens_per_s": sum(tokens[1:]) / (ends[-1] - ends[0] - left_out), "steps": len(ends),
-            "tokens_per_step": sum(tokens) / len(tokens), "first_step_s": None, "left_out_s": left_out}
+    return {"tokens_per_s": window_speed(ends, tokens, outside, 2, len(ends)), "steps": len(ends),
+            "tokens_per_step": sum(tokens) / len(tokens), "first_step_s": None,
+            "left_out_s": seconds_within(outside, ends[0], ends[-1])}
+
+
+def step_record(rec: dict, outside: bool) -> dict:
+    """A peer's record.json as the launchers return it: each step's end time and real tokens, and (`outside`) the
+    spans it spent outside training (speculators' checkpointing and validation between epochs), else None."""
+    return {"ends": rec["step_end_s"], "tokens": rec["step_tokens"],
+            "outside": rec.get("outside_s", []) if outside else None}
 
 
 def speculators_settings(args, norms: bool = False) -> list[str]:
@@ -208,14 +228,16 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
     earlier = json.loads(record.read_text()) if record.is_file() else {}
     argv = cmd[cmd.index("--") + 1:]  # speculators' own arguments
     # a record is written even by a run that died (its `finally`): reused only when it made every step
-    if not (args.reuse and earlier.get("argv") == argv and len(earlier.get("step_end_s", [])) == args.steps):
+    if not (args.reuse and profile is None and earlier.get("argv") == argv
+            and len(earlier.get("step_end_s", [])) == args.steps):
         shutil.rmtree(out / "checkpoints", ignore_errors=True)  # it resumes from checkpoints it finds
-        run(cmd, out / "log.txt")
+        launch(cmd, out, profile)
     rec = json.loads(record.read_text())
     steps_made(rec, args.steps, "speculators", out / "log.txt")
     # its last epoch's checkpoint (the one at --max-steps), not checkpoint_best (chosen on the held-out split)
     export = max((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    return {"export": export, "speed": speed(rec["step_end_s"], rec["step_tokens"], rec.get("outside_s", [])),
+    steps = step_record(rec, outside=True)
+    return {"export": export, "speed": speed(steps["ends"], steps["tokens"], steps["outside"]), "steps": steps,
             "adjustments": rec["adjustments"], "total_seq_len": seq, "norms": norms, "settings": argv,
             **profile_record(profile, out)}
 
@@ -239,13 +261,14 @@ def specforge(args, peers_json: Path, work: Path, name: str = "specforge", setti
            *profile_flags(profile, out), *(["--", *overrides] if overrides else [])]
     export = out / "export-hf"
     stamp = out / "command.json"
-    if not (args.reuse and record.is_file() and (export / "config.json").is_file() and stamp.is_file()
-            and json.loads(stamp.read_text()) == cmd):
-        run(cmd, out / "log.txt")
+    if not (args.reuse and profile is None and record.is_file() and (export / "config.json").is_file()
+            and stamp.is_file() and json.loads(stamp.read_text()) == cmd):
+        launch(cmd, out, profile)
         stamp.write_text(json.dumps(cmd))
     rec = json.loads(record.read_text())
     steps_made(rec, args.steps, "SpecForge", out / "log.txt")
-    return {"export": export, "speed": speed(rec["step_end_s"], rec["step_tokens"]),
+    steps = step_record(rec, outside=False)
+    return {"export": export, "speed": speed(steps["ends"], steps["tokens"]), "steps": steps,
             "adjustments": rec["adjustments"], "norms": False, "settings": cmd[2:], **profile_record(profile, out)}
 
 
@@ -253,13 +276,14 @@ def profile_flags(profile: list[tuple[int, int]] | None, out: Path) -> list[str]
     """A peer launcher's --profile flags: the steps of each window (first, last) into out/profile.json."""
     if profile is None:
         return []
-    (out / "profile.json").unlink(missing_ok=True)
     return ["--profile", str(out / "profile.json"), *(str(step) for window in profile for step in window)]
 
 
 def profile_record(profile: list[tuple[int, int]] | None, out: Path) -> dict:
     if profile is None:
         return {}
+    if not (out / "profile.json").is_file():
+        raise RuntimeError(f"{out}: the launcher wrote no profile.json for the steps {profile}: see {out / 'log.txt'}")
     rec = json.loads((out / "profile.json").read_text())
     if rec.get("error"):
         raise RuntimeError(f"{out}: profile: {rec['error']}")
@@ -270,6 +294,14 @@ def steps_made(record: dict, asked: int, peer: str, log: Path) -> None:
     """A peer's run must make exactly the optimizer steps asked for (its record's step end times)."""
     if len(record["step_end_s"]) != asked:
         raise RuntimeError(f"{peer} made {len(record['step_end_s'])} optimizer steps, not {asked}: see {log}")
+
+
+def launch(cmd: list[str], out: Path, profile: list[tuple[int, int]] | None) -> None:
+    """A peer's launcher run into out/log.txt; with `profile`, an earlier run's profile.json removed first, so that
+    profile_record reads this run's or none."""
+    if profile is not None:
+        (out / "profile.json").unlink(missing_ok=True)
+    run(cmd, out / "log.txt")
 
 
 def run(cmd: list[str], log: Path) -> None:

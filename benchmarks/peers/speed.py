@@ -38,14 +38,6 @@ def windows(epoch1_steps: int, s: dict) -> list[tuple[int, int]]:
     return [(s["warmup"] + 1, s["warmup"] + s["window"]), (epoch1_steps + 1, epoch1_steps + s["window"])]
 
 
-def window_speed(ends: list[float], tokens: list[int], outside: list[list[float]], first: int, last: int) -> float:
-    """Real tokens per second of steps first..last: their tokens over the time from the end of step first-1 to the
-    end of step last, less the `outside` spans (a peer's checkpointing and validation) inside it."""
-    t0, t1 = ends[first - 2], ends[last - 1]
-    left_out = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in outside)
-    return sum(tokens[first - 1:last]) / (t1 - t0 - left_out)
-
-
 def ours_steps(run_dir: Path) -> tuple[list[float], list[int], list[int]]:
     """(end time, real tokens, epoch) of each optimizer step of our run, from its metrics.jsonl (log_every=1)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -99,15 +91,11 @@ def run_trainer(ctx: SimpleNamespace, trainer: str, config: str, work: Path, epo
         elif trainer == "speculators":
             h = sbs.speculators(args, ctx.peers, work, trainer, settings=conf["flags"], seq=ctx.seq, epochs=2,
                                 profile=profile)
-            rec = json.loads((work / trainer / "record.json").read_text())
-            out.update(ends=rec["step_end_s"], tokens=rec["step_tokens"], outside=rec.get("outside_s", []),
-                       epochs=None, profile=h.get("profile"))
+            out.update(**h["steps"], epochs=None, profile=h.get("profile"))
         else:
             h = sbs.specforge(args, ctx.peers_json, work, trainer, settings=conf["flags"], overrides=conf["overrides"],
                               profile=profile)
-            rec = json.loads((work / trainer / "record.json").read_text())
-            out.update(ends=rec["step_end_s"], tokens=rec["step_tokens"], outside=None, epochs=None,
-                       profile=h.get("profile"))
+            out.update(**h["steps"], epochs=None, profile=h.get("profile"))
     except RuntimeError as e:  # a launcher's failure or a step count other than asked
         raise ProtocolError(f"speed: {trainer} ({config}): {e}") from None
     if len(out["ends"]) != steps:
@@ -168,6 +156,7 @@ def print_speed(rec: dict) -> None:
 
 def run_speed(grid: dict, args, prepare) -> int:
     """The speed stage (the module's docstring); `prepare` is protocol.prepare."""
+    import side_by_side as sbs
     import torch
 
     from mtp_train.validate.decoding import processor_name
@@ -210,7 +199,7 @@ def run_speed(grid: dict, args, prepare) -> int:
             got = run_trainer(ctx, t, c, ctx.work / "speed" / f"round{r}", epoch1[t])
             rec["epoch_check"][t] = check_epochs(t, wins[t], got["epochs"], got["outside"], got["ends"])
             outside = got["outside"] or []
-            row[t] = {f"epoch{i + 1}": window_speed(got["ends"], got["tokens"], outside, a, b)
+            row[t] = {f"epoch{i + 1}": sbs.window_speed(got["ends"], got["tokens"], outside, a, b)
                       for i, (a, b) in enumerate(wins[t])}
             row[t]["tokens_per_step"] = statistics.fmean(got["tokens"])
         rec["rounds"].append(row)
