@@ -222,6 +222,24 @@ def test_near_ties_names_a_mismatch_where_the_target_is_not_tied(tmp_path):
 
 
 # -- the intervals and the table --------------------------------------------------------------------------------------
+def test_a_head_judged_by_vllm_otherwise_is_left_out_of_the_table():
+    from table import split_heads
+
+    def judged(name: str, options: list[str]) -> dict:
+        h = head(*name.rsplit("-s", 1)[0].split("-", 1), int(name[-1]), dev=1.5)
+        h["dev"]["settings"] = {"k": 5, "served": f"/runs/{name}/served", "options": options}
+        return h
+
+    batched = ["--max-num-seqs", "16", "--per-prompt"]
+    heads = {n: judged(n, batched) for n in ("ours-recipe-s0", "speculators-matched-s0", "specforge-defaults-s0")}
+    heads["ours-floor0-s0"] = judged("ours-floor0-s0", ["--max-num-seqs", "1", "--per-prompt"])
+    heads["ours-two-layers-s0"] = head("ours", "two-layers", 0)  # not judged yet: nothing to compare
+    kept, left, digest, _ = split_heads(heads)
+    assert digest == DATA and sorted(kept) == ["ours-recipe-s0", "ours-two-layers-s0", "specforge-defaults-s0",
+                                               "speculators-matched-s0"]
+    assert list(left) == ["ours-floor0-s0"] and '"1"' in left["ours-floor0-s0"] and '"16"' in left["ours-floor0-s0"]
+
+
 def test_the_two_level_bootstrap_of_identical_seeds_is_the_one_level_interval():
     rng = random.Random(1)
     den = [rng.randint(20, 40) for _ in range(30)]

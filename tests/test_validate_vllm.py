@@ -125,3 +125,16 @@ def test_validate_through_vllm_errors_name_what_to_do(trained_run, tmp_path, fak
     err = capsys.readouterr().err
     assert "vLLM could not decode head-k1: ValueError: the fake cannot" in err and "head-k1.log" in err
     assert not (run_dir / "validation" / "report.json").exists()
+
+
+def test_vllm_runs_per_request_histogram_gives_each_prompts_acceptance_by_position():
+    """vllm_run.py --per-prompt reads vLLM's per-request spec-decode metrics: a histogram over verification steps of
+    the drafts accepted a step; position j counts every step that accepted j or more (a chain)."""
+    from types import SimpleNamespace
+
+    from mtp_train.inference.vllm_run import per_request
+
+    got = per_request(SimpleNamespace(histogram=[3, 2, 0, 1]), 3)  # 6 steps: 3 kept none, 2 kept one, 1 kept three
+    assert got == {"steps": 6, "accepted_per_position": [3, 1, 1]}
+    assert per_request(SimpleNamespace(histogram=[2, 1]), 3)["accepted_per_position"] == [1, 0, 0]
+    assert per_request(None, 2) == {"steps": 0, "accepted_per_position": [0, 0]}  # ended before any step

@@ -1,7 +1,7 @@
 """vLLM's judgement of one exported EAGLE-3 head of any trainer on prompt sets, prompt by prompt (the peers protocol,
 `protocol.py`): the head served in float32 with its weights rounded through bfloat16 first (as the peers ship
 theirs), greedy, a chain of k drafts; τ(k), acceptance by position and the τ(1..k) it implies, from vLLM's counters
-per prompt (`vllm_run.py --per-prompt`); its output compared with vLLM's target alone, a prompt where they differ
+per prompt (`vllm_run.py --per-prompt`: vLLM's per-request metrics, the prompts decoded 16 at a time); its output compared with vLLM's target alone, a prompt where they differ
 checked against the near-tie rule of the test report (`mtp_train/validate/testset.py`: NEAR_TIE, `mismatch`).
 """
 
@@ -12,7 +12,9 @@ import json
 import shutil
 from pathlib import Path
 
-VLLM_OPTIONS = ("--max-num-seqs", "1")  # one request at a time, as the test report decodes (batch 1)
+# 16 requests at a time: on 2 cores (Intel Xeon) 4.3x the decoding speed of one at a time, with every output token and
+# every prompt's counters the same on the 104 dev prompts of ours-recipe-s0 (225 s against 962 s; 64 at a time 214 s)
+VLLM_OPTIONS = ("--max-num-seqs", "16")
 VLLM_TIMEOUT = 7200  # seconds for one vLLM start (the test sets are 270 prompts)
 
 

@@ -19,17 +19,28 @@ def split_heads(heads: dict[str, dict], digest: str | None = None) -> tuple[dict
     digest = digest or Counter(h["dataset"]["token_ids_sha256"] for h in judged).most_common(1)[0][0]
     processor = Counter(h["processor"] for h in heads.values()
                         if h["dataset"]["token_ids_sha256"] == digest).most_common(1)[0][0]
+    judging = Counter(judged_with(h) for h in heads.values() if judged_with(h)).most_common(1)
     kept, left = {}, {}
     for name, h in heads.items():
         if h["dataset"]["token_ids_sha256"] != digest:
             left[name] = f"other data (sha256 {h['dataset']['token_ids_sha256'][:12]})"
         elif h["processor"] != processor:
             left[name] = f"another processor ({h['processor']})"
+        elif judged_with(h) and judged_with(h) != judging[0][0]:
+            left[name] = f"judged by vLLM otherwise: {judged_with(h)}, the table's heads {judging[0][0]}"
         elif h.get("error"):
             left[name] = f"failed: {h['error']['what']}"
         else:
             kept[name] = h
     return kept, left, digest, processor
+
+
+def judged_with(head: dict) -> str | None:
+    """How vLLM judged the head (engine, k, new tokens, dtype, weights, options; the same for its dev and test
+    figures, else both named), as JSON; None before it was judged."""
+    got = {json.dumps({k: v for k, v in head[r]["settings"].items() if k != "served"}, sort_keys=True)
+           for r in ("dev", "test") if head.get(r) and head[r].get("settings")}
+    return " / ".join(sorted(got)) if len(got) > 1 else next(iter(got), None)
 
 
 def ratio_rows(heads: list[dict], set_name: str, upto: int) -> tuple[list[list[int]], list[list[int]]]:

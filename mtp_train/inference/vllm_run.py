@@ -11,9 +11,10 @@ Writes to OUT.json vLLM's version, the output tokens, the seconds, vLLM's spec-d
 say: the verification steps (`steps`, drafts proposed) and the drafts accepted at positions 1..K. With
 --temperatures, one vLLM start decodes the prompts once per temperature, and OUT.json also holds `runs`, one
 entry per temperature with the same fields (the counters' increase over that run); the top-level fields are the
-first run's. With --per-prompt and a speculative config, the prompts are decoded one request after another and each
-run also holds `per_prompt`: every prompt's own verification steps and drafts accepted by position (vLLM's
-counters are per engine, so a prompt's figures are the counters' increase over its request). When vLLM fails
+first run's. With --per-prompt and a speculative config, each run also holds `per_prompt`: every prompt's own
+verification steps and drafts accepted by position, from vLLM's per-request spec-decode metrics (its histogram of
+drafts accepted a step), so the prompts may be decoded together (--max-num-seqs); their sums must equal the engine's
+counters' increase over the run, or the run fails. When vLLM fails
 to start or to decode, OUT.json holds `error` (the exception's type and message) and the exit code is 1; a bad
 command line or an unreadable PROMPTS.json writes nothing."""
 import argparse
@@ -36,6 +37,15 @@ def per_position(metrics: dict, k: int, missing_ok: bool = False) -> tuple[int, 
     if drafts is None or accepted is None:
         raise RuntimeError(f"vLLM's metrics lack the spec-decode counters: {metrics}")
     return drafts, (accepted + [0] * k)[:k]
+
+
+def per_request(metrics, k: int) -> dict:
+    """One request's verification steps and drafts accepted at positions 1..k from vLLM's per-request spec-decode
+    metrics (a histogram over steps of the drafts accepted in a step: position j is accepted in every step that
+    accepted j or more); a request with no verification step (its output ended at once) has none."""
+    hist = list(metrics.histogram) if metrics is not None else []
+    hist += [0] * (k + 1 - len(hist))
+    return {"steps": sum(hist), "accepted_per_position": [sum(hist[j:]) for j in range(1, k + 1)]}
 
 
 def main() -> None:
@@ -61,8 +71,8 @@ def main() -> None:
                          "target's probability); probabilistic: drafts sampled from the head, accepted with "
                          "min(1, p/q), as our engine does")
     ap.add_argument("--max-num-seqs", type=int, help="vLLM's batch limit (1: one request at a time)")
-    ap.add_argument("--per-prompt", action="store_true", help="decode the prompts one request after another and "
-                    "record each prompt's verification steps and accepted drafts by position")
+    ap.add_argument("--per-prompt", action="store_true", help="record each prompt's verification steps and "
+                    "accepted drafts by position (vLLM's per-request spec-decode metrics)")
     ap.add_argument("--attention-backend", help="vLLM's attention backend (default: vLLM's choice), e.g. CPU_MLA: "
                     "on x86 CPUs with AMX vLLM picks AMX_MLA for MLA targets, which refuses fp32 weights")
     args = ap.parse_args()
@@ -86,7 +96,8 @@ def main() -> None:
         llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
                   speculative_config=spec, disable_log_stats=False, tensor_parallel_size=args.tensor_parallel_size,
                   **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
-                  **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
+                  **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
+                  **({"per_request_spec_decode_metrics": "summary"} if args.per_prompt and spec else {}))
         k = int(args.spec[2]) if spec else 0
 
         def counters() -> dict:
@@ -99,24 +110,21 @@ def main() -> None:
             params = SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=False,
                                     seed=args.seed if t > 0 else None)
             t0 = time.perf_counter()
-            if args.per_prompt and spec:
-                res, per = [], []
-                for p in prompts:
-                    was = per_position(counters(), k, missing_ok=True)
-                    res += llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
-                    now = per_position(counters(), k, missing_ok=True)
-                    per.append({"steps": now[0] - was[0],
-                                "accepted_per_position": [a - b for a, b in zip(now[1], was[1])]})
-            else:
-                res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+            res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
             run = {"temperature": t, "seconds": time.perf_counter() - t0,
                    "tokens": [list(r.outputs[0].token_ids) for r in res], "metrics": counters()}
-            if args.per_prompt and spec:
-                run["per_prompt"] = per
             if spec:
                 steps, accepted = per_position(run["metrics"], k)
                 run["steps"], run["accepted_per_position"] = steps - before[0], [
                     a - b for a, b in zip(accepted, before[1])]
+            if args.per_prompt and spec:
+                run["per_prompt"] = [per_request(r.outputs[0].spec_decode_metrics, k) for r in res]
+                summed = (sum(p["steps"] for p in run["per_prompt"]),
+                          [sum(p["accepted_per_position"][j] for p in run["per_prompt"]) for j in range(k)])
+                if summed != (run["steps"], run["accepted_per_position"]):
+                    raise RuntimeError(f"the per-request spec-decode metrics sum to {summed} (steps, accepted by "
+                                       f"position), the engine's counters rose by "
+                                       f"{(run['steps'], run['accepted_per_position'])}")
             runs.append(run)
         result.update({key: value for key, value in runs[0].items() if key != "temperature"})
         if args.temperatures:
