@@ -1,6 +1,6 @@
 """The peers protocol's trainer speed (`protocol.py --stage speed`; issue 56, item 6): each trainer's tokens/s as it
-trains the head it is judged by, ours as the recipe trains it (the grid's `recipe` configuration) and each peer at
-its best configuration on dev, side by side on the same data.
+trains the head whose test figures the table gives: each trainer, ours too, at its best configuration on dev (for
+ours that need not be the recipe's head), side by side on the same data.
 
 The data is a nested subset of the protocol's (the same permutation, the grid's `speed.rows` rows: 50 steps an
 epoch at 8 samples a step), so that each run reaches its second epoch soon: our trainer reads in epoch 2 the target
@@ -167,7 +167,7 @@ def run_speed(grid: dict, args, prepare) -> int:
     heads = load_heads(args.results)
     full = prepare(grid, args.work.resolve())  # the protocol's data: whose dev figures chose the peers' best
     current = {n: h for n, h in heads.items() if h["dataset"]["token_ids_sha256"] == full.hash}
-    chosen = {t: "recipe" if t == "ours" else best_config(current, grid, t) for t in ORDER if t in args.only}
+    chosen = {t: best_config(current, grid, t) for t in ORDER if t in args.only}
     speed_grid = {**grid, "data": {**grid["data"], "rows": s["rows"]}}
     ctx = prepare(speed_grid, args.work.resolve() / "speed")
     ctx.seq = speculators_rows(ctx.lengths, 0, 2 * s["rows"] // grid["budget"]["micro_batch"],
