@@ -19,15 +19,16 @@ def split_heads(heads: dict[str, dict], digest: str | None = None) -> tuple[dict
     digest = digest or Counter(h["dataset"]["token_ids_sha256"] for h in judged).most_common(1)[0][0]
     processor = Counter(h["processor"] for h in heads.values()
                         if h["dataset"]["token_ids_sha256"] == digest).most_common(1)[0][0]
-    judging = Counter(judged_with(h) for h in heads.values() if judged_with(h)).most_common(1)
+    how = {name: judged_with(h) for name, h in heads.items()}
+    judging = Counter(w for w in how.values() if w).most_common(1)
     kept, left = {}, {}
     for name, h in heads.items():
         if h["dataset"]["token_ids_sha256"] != digest:
             left[name] = f"other data (sha256 {h['dataset']['token_ids_sha256'][:12]})"
         elif h["processor"] != processor:
             left[name] = f"another processor ({h['processor']})"
-        elif judged_with(h) and judged_with(h) != judging[0][0]:
-            left[name] = f"judged by vLLM otherwise: {judged_with(h)}, the table's heads {judging[0][0]}"
+        elif how[name] and how[name] != judging[0][0]:
+            left[name] = f"judged by vLLM otherwise: {how[name]}, the table's heads {judging[0][0]}"
         elif h.get("error"):
             left[name] = f"failed: {h['error']['what']}"
         else:
