@@ -450,3 +450,19 @@ def test_speed_summary_gives_each_epochs_ratio_with_its_spread_and_the_kernels_t
     assert e2["median"] == pytest.approx(2.0) and e2["kernels_out"] == pytest.approx(2.0 * 0.5 / 0.9)
     assert "kernels_out" not in speed.summary(rounds, {}, {"ours": "recipe", "speculators": "d"})["ours_over"][
         "speculators"]["epoch1"]
+
+
+def test_speed_times_ours_at_its_best_and_at_its_recipes_head_against_each_peer():
+    import speed
+
+    assert speed.timed({"ours": "recipe", "speculators": "d"}) == {"ours": "recipe", "speculators": "d"}
+    chosen = speed.timed({"specforge": "m", "ours": "two-layers", "speculators": "d"})
+    assert list(chosen.items()) == [("ours", "two-layers"), ("ours-recipe", "recipe"), ("speculators", "d"),
+                                    ("specforge", "m")]  # the order of a round
+    rounds = [{"ours": {"epoch1": 500.0, "epoch2": 600.0}, "ours-recipe": {"epoch1": 700.0, "epoch2": 800.0},
+               "speculators": {"epoch1": 350.0, "epoch2": 400.0}, "specforge": {"epoch1": 250.0, "epoch2": 200.0}}]
+    s = speed.summary(rounds, {}, chosen)
+    assert s["ours_over"]["speculators"]["epoch1"]["median"] == pytest.approx(500 / 350)
+    assert s["recipe_over"]["speculators"]["epoch1"]["median"] == pytest.approx(2.0)
+    assert s["recipe_over"]["specforge"]["epoch2"]["median"] == pytest.approx(4.0)
+    assert "ours-recipe" not in s["ours_over"] and set(s["recipe_over"]) == {"speculators", "specforge"}

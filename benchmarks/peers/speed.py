@@ -1,6 +1,7 @@
 """The peers protocol's trainer speed (`protocol.py --stage speed`; issue 56, item 6): each trainer's tokens/s as it
-trains the head whose test figures the table gives: each trainer, ours too, at its best configuration on dev (for
-ours that need not be the recipe's head), side by side on the same data.
+trains the head whose test figures the table gives: each trainer, ours too, at its best configuration on dev, side
+by side on the same data; and ours also as its recipe trains it (`ours-recipe`, the head a user's run makes) when its
+best configuration on dev is another.
 
 The data is a nested subset of the protocol's (the same permutation, the grid's `speed.rows` rows: 50 steps an
 epoch at 8 samples a step), so that each run reaches its second epoch soon: our trainer reads in epoch 2 the target
@@ -27,7 +28,21 @@ from types import SimpleNamespace
 
 from protocol import PEERS, ProtocolError, best_config, configuration, load_heads, packed_rows, speculators_rows
 
-ORDER = ("ours", "speculators", "specforge")
+ORDER = ("ours", "ours-recipe", "speculators", "specforge")  # the timed runs' labels, in the order of a round
+RATIO = {"ours": "ours_over", "ours-recipe": "recipe_over"}  # summary keys: each of ours over each peer
+
+
+def trainer_of(label: str) -> str:
+    return "ours" if label in RATIO else label
+
+
+def timed(best: dict[str, str]) -> dict[str, str]:
+    """The runs of a round, label -> configuration: each trainer's best on dev, and ours also at its recipe's head
+    when its best is another (item 6 names the recipe's; the table reports the best)."""
+    out = dict(best)
+    if "ours" in best and best["ours"] != "recipe":
+        out["ours-recipe"] = "recipe"
+    return {t: out[t] for t in ORDER if t in out}
 
 
 def windows(epoch1_steps: int, s: dict) -> list[tuple[int, int]]:
@@ -64,13 +79,14 @@ def check_epochs(name: str, wins: list[tuple[int, int]], epochs: list[int] | Non
     return "by construction: rows / micro-batch steps an epoch"
 
 
-def run_trainer(ctx: SimpleNamespace, trainer: str, config: str, work: Path, epoch1: int,
+def run_trainer(ctx: SimpleNamespace, label: str, config: str, work: Path, epoch1: int,
                 profile: list[tuple[int, int]] | None = None) -> dict:
-    """One fresh run of `trainer` at `config` for epoch 1 and speed.window steps of epoch 2 -> its steps' end times,
-    tokens, the spans outside training, its epochs (ours) and its profile (with `profile`)."""
+    """One fresh run of `label`'s trainer at `config` (in work/label) for epoch 1 and speed.window steps of epoch 2
+    -> its steps' end times, tokens, the spans outside training, its epochs (ours) and its profile (with `profile`)."""
     import side_by_side as sbs
     from step_profile import profiled
 
+    trainer = trainer_of(label)
     s, conf, b = ctx.grid["speed"], configuration(ctx.grid, trainer, config), ctx.grid["budget"]
     steps = epoch1 + s["window"]
     args = SimpleNamespace(recipe=ctx.grid["data"]["recipe"], base=ctx.base, reuse=False, depth=ctx.cfg.train.depth,
@@ -79,12 +95,12 @@ def run_trainer(ctx: SimpleNamespace, trainer: str, config: str, work: Path, epo
     try:
         if trainer == "ours":
             fixed = [f["override"] for f in ctx.grid["trainers"]["ours"].get("fixed") or []]
-            with profiled("ours", None if profile is None else [work / trainer / "profile.json", *sum(profile, ())]
+            with profiled("ours", None if profile is None else [work / label / "profile.json", *sum(profile, ())]
                           ) as prof:
                 sbs.ours(args, [f"store.layers=[{ctx.layers}]", "target.device=cpu", f"train.steps={steps}",
                                 f"train.micro_batch={b['micro_batch']}", "train.seed=0", *fixed, *conf["overrides"]],
-                         trainer, work, timing_only=True)
-            ends, tokens, epochs = ours_steps(work / trainer)
+                         label, work, timing_only=True)
+            ends, tokens, epochs = ours_steps(work / label)
             out.update(ends=ends, tokens=tokens, epochs=epochs, outside=None)
             if prof is not None:
                 out["profile"] = prof.record()
@@ -97,9 +113,9 @@ def run_trainer(ctx: SimpleNamespace, trainer: str, config: str, work: Path, epo
                               profile=profile)
             out.update(**h["steps"], epochs=None, profile=h.get("profile"))
     except RuntimeError as e:  # a launcher's failure or a step count other than asked
-        raise ProtocolError(f"speed: {trainer} ({config}): {e}") from None
+        raise ProtocolError(f"speed: {label} ({config}): {e}") from None
     if len(out["ends"]) != steps:
-        raise ProtocolError(f"speed: {trainer} ({config}) made {len(out['ends'])} optimizer steps, {steps} asked")
+        raise ProtocolError(f"speed: {label} ({config}) made {len(out['ends'])} optimizer steps, {steps} asked")
     return out
 
 
@@ -115,25 +131,26 @@ def epoch1_steps(ctx: SimpleNamespace, trainer: str) -> int:
 
 
 def summary(rounds: list[dict], profiles: dict, chosen: dict) -> dict:
-    """Medians over rounds, the per-round ratios of ours over each peer (median, range), and with profiles the
-    ratios with attention and loss taken out (the window's shares of the profiled run, on the median ratio)."""
+    """Medians over rounds, the per-round ratios of ours (`ours_over`; at its recipe's head `recipe_over`) over each
+    peer (median, range), and with profiles the ratios with attention and loss taken out (the window's shares of the
+    profiled run, on the median ratio)."""
     trainers = [t for t in ORDER if t in chosen]
-    out = {"tokens_per_s": {}, "ours_over": {}}
+    out = {"tokens_per_s": {}, **{RATIO[o]: {} for o in RATIO if o in chosen}}
     for t in trainers:
         out["tokens_per_s"][t] = {e: {"median": statistics.median(r[t][e] for r in rounds),
                                       "min": min(r[t][e] for r in rounds), "max": max(r[t][e] for r in rounds)}
                                   for e in ("epoch1", "epoch2")}
-    for p in (t for t in trainers if t in PEERS):
-        out["ours_over"][p] = {}
+    for o, p in ((o, p) for o in RATIO if o in chosen for p in trainers if p in PEERS):
+        out[RATIO[o]][p] = {}
         for i, e in enumerate(("epoch1", "epoch2")):
-            ratios = [r["ours"][e] / r[p][e] for r in rounds]
+            ratios = [r[o][e] / r[p][e] for r in rounds]
             x = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-            if "ours" in profiles and p in profiles:
-                share = {t: profiles[t]["results"][i]["share_total"] for t in ("ours", p)}
-                x.update(share_ours=share["ours"], share_peer=share[p],
+            if o in profiles and p in profiles:
+                share = {t: profiles[t]["results"][i]["share_total"] for t in (o, p)}
+                x.update(share_ours=share[o], share_peer=share[p],
                          peer_kernels_out=x["median"] * (1 - share[p]),
-                         kernels_out=x["median"] * (1 - share[p]) / (1 - share["ours"]))
-            out["ours_over"][p][e] = x
+                         kernels_out=x["median"] * (1 - share[p]) / (1 - share[o]))
+            out[RATIO[o]][p][e] = x
     return out
 
 
@@ -145,13 +162,15 @@ def print_speed(rec: dict) -> None:
     for t, e in s["tokens_per_s"].items():
         print(f"{t:<13}{rec['chosen'][t]:<15}" + "".join(
             f"{x['median']:>10.0f} [{x['min']:.0f}, {x['max']:.0f}]".rjust(22) for x in e.values()))
-    for p, e in s["ours_over"].items():
-        for name, x in e.items():
-            line = f"ours / {p}, {name}: {x['median']:.2f} [{x['min']:.2f}, {x['max']:.2f}]"
-            if "kernels_out" in x:
-                line += (f"; attention and loss {x['share_peer']:.0%} of its step, {x['share_ours']:.0%} of ours: "
-                         f"without the peer's {x['peer_kernels_out']:.2f}, without both sides' {x['kernels_out']:.2f}")
-            print(line)
+    for o in (o for o in RATIO if RATIO[o] in s):
+        for p, e in s[RATIO[o]].items():
+            for name, x in e.items():
+                line = f"{o} ({rec['chosen'][o]}) / {p}, {name}: {x['median']:.2f} [{x['min']:.2f}, {x['max']:.2f}]"
+                if "kernels_out" in x:
+                    line += (f"; attention and loss {x['share_peer']:.0%} of its step, {x['share_ours']:.0%} of "
+                             f"ours: without the peer's {x['peer_kernels_out']:.2f}, without both sides' "
+                             f"{x['kernels_out']:.2f}")
+                print(line)
 
 
 def run_speed(grid: dict, args, prepare) -> int:
@@ -167,16 +186,16 @@ def run_speed(grid: dict, args, prepare) -> int:
     heads = load_heads(args.results)
     full = prepare(grid, args.work.resolve())  # the protocol's data: whose dev figures chose the peers' best
     current = {n: h for n, h in heads.items() if h["dataset"]["token_ids_sha256"] == full.hash}
-    chosen = {t: best_config(current, grid, t) for t in ORDER if t in args.only}
+    chosen = timed({t: best_config(current, grid, t) for t in ORDER if t in args.only})
     speed_grid = {**grid, "data": {**grid["data"], "rows": s["rows"]}}
     ctx = prepare(speed_grid, args.work.resolve() / "speed")
     ctx.seq = speculators_rows(ctx.lengths, 0, 2 * s["rows"] // grid["budget"]["micro_batch"],
                                ctx.reference)["total_seq_len"]
-    epoch1 = {t: epoch1_steps(ctx, t) for t in chosen}
+    epoch1 = {t: epoch1_steps(ctx, trainer_of(t)) for t in chosen}
     wins = {t: windows(epoch1[t], s) for t in chosen}
     out_path = args.results / "speed.json"
     key = {"dataset": ctx.dataset, "chosen_on": full.hash, "chosen": chosen, "speed": s,
-           "configurations": {t: configuration(grid, t, c) for t, c in chosen.items()}}
+           "configurations": {t: configuration(grid, trainer_of(t), c) for t, c in chosen.items()}}
     rec = json.loads(out_path.read_text()) if out_path.is_file() else {}
     if any(rec.get(k) != v for k, v in key.items()):
         rec = {}  # other data or other configurations: start again
