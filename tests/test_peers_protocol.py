@@ -466,3 +466,19 @@ def test_speed_times_ours_at_its_best_and_at_its_recipes_head_against_each_peer(
     assert s["recipe_over"]["speculators"]["epoch1"]["median"] == pytest.approx(2.0)
     assert s["recipe_over"]["specforge"]["epoch2"]["median"] == pytest.approx(4.0)
     assert "ours-recipe" not in s["ours_over"] and set(s["recipe_over"]) == {"speculators", "specforge"}
+
+
+def test_speed_on_another_processor_times_the_configurations_chosen_on_the_tables_data():
+    import speed
+
+    heads = {h["head"]: h for h in (head("ours", "recipe", 0, dev=1.3), head("ours", "two-layers", 0, dev=1.4))}
+    assert speed.chosen_on(heads, DATA, None) == DATA  # this machine's data chose
+    with pytest.raises(protocol.ProtocolError, match=r"no head of this machine's data \(bbbbbbbbbbbb\).*"
+                                                     r"aaaaaaaaaaaa \(cpu-x: 2 heads\).*--chosen-on"):
+        speed.chosen_on(heads, OTHER, None)  # another processor's data: the choice is named, not guessed
+    assert speed.chosen_on(heads, OTHER, "aaaa") == DATA
+    with pytest.raises(protocol.ProtocolError, match="--chosen-on c matches 0 datasets"):
+        speed.chosen_on(heads, OTHER, "c")
+    # each processor kind keeps its own rounds
+    assert speed.speed_path(Path("r"), "AMD EPYC") == Path("r/speed-amd-epyc.json")
+    assert speed.speed_path(Path("r"), "Intel(R) Xeon(R) Processor") == Path("r/speed-intel-xeon-processor.json")

@@ -184,12 +184,23 @@ def best_config(heads: dict[str, dict], grid: dict, trainer: str) -> str:
 
 
 # -- the data, training and judging (the slow parts) ------------------------------------------------------------------
+def subset_data(grid: dict, work: Path) -> dict:
+    """The recipe prepared whole (skipped when up to date) and the subset cut from it in work/base/data; -> the
+    subset's manifest (its `token_ids_sha256`: the data's hash), before any store is made."""
+    from data_scaling import mtp, write_subset
+
+    d = grid["data"]
+    full = ROOT / d["full"]
+    mtp("prepare", d["recipe"], full)
+    return write_subset(full / "data", work / "base" / "data", d["rows"], d["seed"])
+
+
 def prepare(grid: dict, work: Path) -> SimpleNamespace:
     """The data every head of this run reads, made or found up to date; -> what training and judging need."""
     import datasets
 
     import side_by_side as sbs
-    from data_scaling import mtp, write_subset
+    from data_scaling import mtp
     from mtp_train.config import compose
     from mtp_train.inference.vllm_engine import find_vllm_python
     from mtp_train.model.target import load_tokenizer
@@ -198,9 +209,8 @@ def prepare(grid: dict, work: Path) -> SimpleNamespace:
     from write import write
 
     d, j = grid["data"], grid["judge"]
-    full, base = ROOT / d["full"], work / "base"
-    mtp("prepare", d["recipe"], full)
-    manifest = write_subset(full / "data", base / "data", d["rows"], d["seed"])
+    base = work / "base"
+    manifest = subset_data(grid, work)
     digest = manifest["token_ids_sha256"]
     layers = sbs.target_layers(d["recipe"], base)
     common = [f"store.layers=[{layers}]", "target.device=cpu"]
@@ -368,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "peers-protocol")
     ap.add_argument("--grid", type=Path, default=GRID)
     ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--chosen-on", default=None, metavar="HASH", help="--stage speed: the dataset hash (a prefix) "
+                    "whose dev heads chose the configurations, when this machine's data is another (another "
+                    "processor kind)")
     ap.add_argument("--hash", default=None, help="--table: the dataset hash of the table (default: most heads')")
     args = ap.parse_args(argv)
     if not args.stage and not args.table:

@@ -13,20 +13,24 @@ steps of epoch 2 (real tokens over wall time, less a peer's checkpointing and va
 (`step_profile.py`: attention, loss), and the ratios are also given with the peer's, and with both sides', attention
 and loss taken out.
 
-Writes benchmarks/results/peers-protocol/speed.json after every round (a later run resumes from its rounds when the
-data and the configurations are the same) and prints the table. Exits non-zero when a run makes other steps than
+Writes benchmarks/results/peers-protocol/speed-<processor kind>.json after every round (a later run on the same kind
+resumes from its rounds when the data and the configurations are the same) and prints the table. The configurations
+are those chosen on the dev figures of this machine's data, or (`--chosen-on HASH`) of the heads' data made on another
+processor kind: the table's choice, timed here. Exits non-zero when a run makes other steps than
 asked, when a window is not in the epoch it should be, or when a peer's best configuration is not known yet.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from protocol import PEERS, ProtocolError, best_config, configuration, load_heads, packed_rows, speculators_rows
+from protocol import (PEERS, ProtocolError, best_config, configuration, load_heads, packed_rows, speculators_rows,
+                      subset_data)
 
 ORDER = ("ours", "ours-recipe", "speculators", "specforge")  # the timed runs' labels, in the order of a round
 RATIO = {"ours": "ours_over", "ours-recipe": "recipe_over"}  # summary keys: each of ours over each peer
@@ -173,6 +177,33 @@ def print_speed(rec: dict) -> None:
                 print(line)
 
 
+def speed_path(results: Path, processor: str) -> Path:
+    """results/speed-<processor kind>.json: tokens/s are of one processor kind, and each kind keeps its rounds."""
+    kind = re.sub(r"[^a-z0-9]+", "-", processor.lower().replace("(r)", "").replace("(tm)", "")).strip("-")
+    return Path(results) / f"speed-{kind or 'cpu'}.json"
+
+
+def chosen_on(heads: dict[str, dict], here: str, asked: str | None) -> str:
+    """The dataset hash whose seed-0 dev heads choose each trainer's configuration: this machine's data's, or
+    (`--chosen-on PREFIX`) the heads' of another processor kind, whose data differs (the choice was made on dev
+    there; the speed is measured here)."""
+    hashes: dict[str, list[dict]] = {}
+    for h in heads.values():
+        hashes.setdefault(h["dataset"]["token_ids_sha256"], []).append(h)
+    held = "; ".join(f"{d[:12]} ({', '.join(sorted({h['processor'] for h in hs}))}: {len(hs)} heads)"
+                     for d, hs in hashes.items()) or "no head"
+    if asked is None:
+        if here in hashes:
+            return here
+        raise ProtocolError(f"speed: no head of this machine's data ({here[:12]}) chose the configurations; the "
+                            f"heads' JSONs hold: {held}. Give --chosen-on HASH to time the configurations chosen on "
+                            "that data's dev figures")
+    found = [d for d in hashes if d.startswith(asked)]
+    if len(found) != 1:
+        raise ProtocolError(f"speed: --chosen-on {asked} matches {len(found)} datasets of the heads' JSONs ({held})")
+    return found[0]
+
+
 def run_speed(grid: dict, args, prepare) -> int:
     """The speed stage (the module's docstring); `prepare` is protocol.prepare."""
     import side_by_side as sbs
@@ -184,8 +215,9 @@ def run_speed(grid: dict, args, prepare) -> int:
 
     s = grid["speed"]
     heads = load_heads(args.results)
-    full = prepare(grid, args.work.resolve())  # the protocol's data: whose dev figures chose the peers' best
-    current = {n: h for n, h in heads.items() if h["dataset"]["token_ids_sha256"] == full.hash}
+    here = subset_data(grid, args.work.resolve())["token_ids_sha256"]  # the protocol's data, made on this machine
+    on = chosen_on(heads, here, args.chosen_on)
+    current = {n: h for n, h in heads.items() if h["dataset"]["token_ids_sha256"] == on}
     chosen = timed({t: best_config(current, grid, t) for t in args.only})  # timed() orders them as a round
     speed_grid = {**grid, "data": {**grid["data"], "rows": s["rows"]}}
     ctx = prepare(speed_grid, args.work.resolve() / "speed")
@@ -193,14 +225,16 @@ def run_speed(grid: dict, args, prepare) -> int:
                                ctx.reference)["total_seq_len"]
     epoch1 = {t: epoch1_steps(ctx, trainer_of(t)) for t in chosen}
     wins = {t: windows(epoch1[t], s) for t in chosen}
-    out_path = args.results / "speed.json"
-    key = {"dataset": ctx.dataset, "chosen_on": full.hash, "chosen": chosen, "speed": s,
+    out_path = speed_path(args.results, processor_name())
+    key = {"dataset": ctx.dataset, "processor": processor_name(), "chosen_on": {
+               "token_ids_sha256": on, "processors": sorted({h["processor"] for h in current.values()})},
+           "chosen": chosen, "speed": s,
            "configurations": {t: configuration(grid, trainer_of(t), c) for t, c in chosen.items()}}
     rec = json.loads(out_path.read_text()) if out_path.is_file() else {}
     if any(rec.get(k) != v for k, v in key.items()):
         rec = {}  # other data or other configurations: start again
     rec = {**key, "windows": wins, "epoch1_steps": epoch1, "speculators_total_seq_len": ctx.seq,
-           "processor": processor_name(), "machine": machine(torch.get_num_threads()),
+           "machine": machine(torch.get_num_threads()),
            "grid_sha256": sha256(args.grid), "rounds": rec.get("rounds", []), "profiles": rec.get("profiles", {}),
            "epoch_check": rec.get("epoch_check", {})}
 
