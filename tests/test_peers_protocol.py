@@ -482,3 +482,35 @@ def test_speed_on_another_processor_times_the_configurations_chosen_on_the_table
     # each processor kind keeps its own rounds
     assert speed.speed_path(Path("r"), "AMD EPYC") == Path("r/speed-amd-epyc.json")
     assert speed.speed_path(Path("r"), "Intel(R) Xeon(R) Processor") == Path("r/speed-intel-xeon-processor.json")
+
+
+def test_speed_stops_where_muons_bfloat16_would_time_the_processor_not_the_trainer():
+    import speed
+
+    def conf(trainer, name):
+        return protocol.configuration(GRID, trainer, name)
+
+    assert speed.bf16_optimizer("speculators", conf("speculators", "defaults-lk"))  # its default: Muon
+    assert not speed.bf16_optimizer("speculators", conf("speculators", "matched"))  # --optimizer adamw
+    assert not speed.bf16_optimizer("ours", conf("ours", "two-layers"))
+    amx, plain = "flags\t\t: fpu sse avx512f amx_bf16 amx_tile\n", "flags\t\t: fpu sse avx2\n"
+    muon = {"ours": "two-layers", "speculators": "defaults-lk"}
+    speed.check_kernels(GRID, muon, amx, "Intel(R) Xeon(R) Processor")  # AMX: bf16 at its speed
+    speed.check_kernels(GRID, {"ours": "two-layers", "speculators": "matched"}, plain, "AMD EPYC")  # no bf16
+    with pytest.raises(protocol.ProtocolError, match=r"speculators \(defaults-lk\) optimises with Muon.*AMD EPYC"):
+        speed.check_kernels(GRID, muon, plain, "AMD EPYC")
+
+
+def test_muon_cpu_times_the_same_newton_schulz_iterations_in_fp32_as_torchs_muon_in_bf16():
+    from torch.optim._muon import DEFAULT_NS_STEPS, _zeropower_via_newtonschulz
+
+    import muon_cpu
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((48, 96), (96, 48)):  # wide, and tall (transposed inside)
+        g = torch.randn(shape, generator=gen)
+        ours = muon_cpu.newton_schulz_fp32(g)
+        theirs = _zeropower_via_newtonschulz(g, muon_cpu.NS_COEFFICIENTS, DEFAULT_NS_STEPS, 1e-7).float()
+        assert ours.dtype == torch.float32 and theirs.shape == ours.shape
+        assert (ours - theirs).norm() / theirs.norm() < 0.03  # bf16's rounding apart
+        assert (ours - g / g.norm()).norm() / ours.norm() > 0.5  # and not the input: it was orthogonalised

@@ -204,21 +204,47 @@ def chosen_on(heads: dict[str, dict], here: str, asked: str | None) -> str:
     return found[0]
 
 
+def bf16_optimizer(trainer: str, conf: dict) -> bool:
+    """Whether a configuration's optimizer computes in bfloat16: speculators' default, Muon
+    (speculators/train/config/schema.py:340), whose torch.optim.Muon runs its Newton-Schulz iterations in bf16."""
+    flags = conf["flags"]
+    return trainer == "speculators" and (flags[flags.index("--optimizer") + 1] if "--optimizer" in flags
+                                         else "muon") == "muon"
+
+
+def check_kernels(grid: dict, chosen: dict[str, str], cpuinfo: str, processor: str) -> None:
+    """Stops where a timed configuration would time this processor's bfloat16 rather than its trainer: Muon's
+    bf16 Newton-Schulz on a CPU without AMX (49x the same iterations in fp32 on AMD EPYC, 76% of speculators'
+    step: benchmarks/peers/muon_cpu.py, RESULTS `peers`). The heads themselves train the same anywhere."""
+    from mtp_train.data.regen_engines import has_amx
+
+    slow = [f"{t} ({c})" for t, c in chosen.items()
+            if bf16_optimizer(trainer_of(t), configuration(grid, trainer_of(t), c))]
+    if slow and not has_amx(cpuinfo):
+        raise ProtocolError(f"speed: {', '.join(slow)} optimises with Muon, whose Newton-Schulz iterations run in "
+                            f"bfloat16: on this CPU ({processor}, no AMX) about 49x their fp32 time, most of the "
+                            "peer's step (benchmarks/peers/muon_cpu.py), so its tokens/s would time the processor's "
+                            "bf16, not the trainer. Run the speed stage on a CPU with AMX (Intel Xeon)")
+
+
 def run_speed(grid: dict, args, prepare) -> int:
     """The speed stage (the module's docstring); `prepare` is protocol.prepare."""
     import side_by_side as sbs
     import torch
 
+    from mtp_train.data.regen_engines import read_cpuinfo
     from mtp_train.validate.decoding import processor_name
     from protocol import sha256
     from timing import machine
 
     s = grid["speed"]
     heads = load_heads(args.results)
-    here = subset_data(grid, args.work.resolve())["token_ids_sha256"]  # the protocol's data, made on this machine
+    # the protocol's data made on this machine chooses, unless the choice is named (then it is made below, once)
+    here = None if args.chosen_on else subset_data(grid, args.work.resolve())["token_ids_sha256"]
     on = chosen_on(heads, here, args.chosen_on)
     current = {n: h for n, h in heads.items() if h["dataset"]["token_ids_sha256"] == on}
     chosen = timed({t: best_config(current, grid, t) for t in args.only})  # timed() orders them as a round
+    check_kernels(grid, chosen, read_cpuinfo(), processor_name())
     speed_grid = {**grid, "data": {**grid["data"], "rows": s["rows"]}}
     ctx = prepare(speed_grid, args.work.resolve() / "speed")
     ctx.seq = speculators_rows(ctx.lengths, 0, 2 * s["rows"] // grid["budget"]["micro_batch"],

@@ -1,0 +1,111 @@
+"""What speculators' default optimizer costs on this CPU: torch.optim.Muon (speculators 0.9.0's default,
+speculators/train/optimizers.py) orthogonalises each update by Newton-Schulz iterations in bfloat16, which a CPU
+without native bf16 matrix units (no AMX: the AMD EPYC machines) runs far slower than fp32. Times one optimizer step
+on the 2-D weights Muon takes in the one-layer EAGLE-3 draft of SmolLM2-135M (hidden 576, 9 query and 3 KV heads of
+64, MLP 1,536, 3 aux layers; the attention reads the token and feature halves, 2 x 576): Muon as torch ships it, the
+same 5 Newton-Schulz iterations in fp32 (the textbook quintic, written here), and AdamW; interleaved rounds, median
+and range. The peers speed stage (speed.py) stops on a CPU without AMX when a configuration it times uses Muon.
+
+    .venv/bin/python benchmarks/peers/muon_cpu.py [--rounds 5]
+
+Writes benchmarks/results/peers-muon_cpu-<processor kind>.json and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+for path in (ROOT, HERE, HERE.parent):
+    sys.path.insert(0, str(path))
+
+H, HEADS, KV, HEAD_DIM, MLP, AUX = 576, 9, 3, 64, 1536, 3
+SHAPES = {"fc": (H, AUX * H), "q_proj": (HEADS * HEAD_DIM, 2 * H), "k_proj": (KV * HEAD_DIM, 2 * H),
+          "v_proj": (KV * HEAD_DIM, 2 * H), "o_proj": (H, HEADS * HEAD_DIM), "gate_proj": (MLP, H),
+          "up_proj": (MLP, H), "down_proj": (H, MLP)}
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's coefficients (Jordan et al., "Muon", 2024)
+
+
+def newton_schulz_fp32(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """The orthogonalised update of one 2-D gradient, computed in fp32: the same iterations as Muon's bf16 ones."""
+    a, b, c = NS_COEFFICIENTS
+    x = g / (g.norm() + eps)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if tall else x
+
+
+def params(seed: int) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for shape in SHAPES.values():
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.02)
+        p.grad = torch.randn(shape, generator=gen) * 1e-3
+        out.append(p)
+    return out
+
+
+def time_step(name: str, ps: list[torch.nn.Parameter], opt) -> float:
+    t0 = time.perf_counter()
+    if name == "muon_ns_fp32":
+        with torch.no_grad():
+            for p in ps:
+                p.add_(newton_schulz_fp32(p.grad), alpha=-1e-3)
+    else:
+        opt.step()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mtp_train.data.regen_engines import has_amx, read_cpuinfo
+    from mtp_train.validate.decoding import processor_name
+    from speed import speed_path
+    from timing import machine
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ps = params(0)
+    opts = {"muon_torch_bf16": torch.optim.Muon(ps, lr=1e-3), "muon_ns_fp32": None,
+            "adamw": torch.optim.AdamW(ps, lr=1e-3)}
+    for name, opt in opts.items():  # warm-up: the optimizers' state, the kernels
+        time_step(name, ps, opt)
+    times = {name: [] for name in opts}
+    for _ in range(args.rounds):
+        for name, opt in opts.items():
+            times[name].append(time_step(name, ps, opt))
+    med = {n: statistics.median(t) for n, t in times.items()}
+    rec = {"processor": processor_name(), "amx": has_amx(read_cpuinfo()), "machine": machine(args.threads),
+           "torch": torch.__version__, "shapes": SHAPES, "rounds": args.rounds,
+           "seconds": {n: {"median": med[n], "min": min(t), "max": max(t)} for n, t in times.items()},
+           "bf16_over_fp32": med["muon_torch_bf16"] / med["muon_ns_fp32"],
+           "date": time.strftime("%Y-%m-%d %H:%M")}
+    out = speed_path(ROOT / "benchmarks" / "results", rec["processor"])
+    out = out.with_name(out.name.replace("speed-", "peers-muon_cpu-"))
+    out.write_text(json.dumps(rec, indent=1) + "\n")
+    print(f"one optimizer step on the draft's 2-D weights ({sum(a * b for a, b in SHAPES.values()):,} values), "
+          f"{rec['processor']} (AMX: {rec['amx']}), {args.threads} threads, {args.rounds} interleaved rounds")
+    print(f"{'optimizer':<36}{'median s':>10}{'range':>20}")
+    for n, s in rec["seconds"].items():
+        spread = f"[{s['min']:.3f}, {s['max']:.3f}]"
+        print(f"{n:<36}{s['median']:>10.3f}{spread:>20}")
+    print(f"Muon's bf16 Newton-Schulz over the same in fp32: {rec['bf16_over_fp32']:.1f}x  ({out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
