@@ -129,6 +129,7 @@ def stand_ins(tmp_path, monkeypatch):
         return figures({"recipe": 1.5, "mt-bench": 1.6}), list(calls["problems"])
 
     monkeypatch.setattr(protocol, "prepare", lambda grid, work: ctx)
+    monkeypatch.setattr(protocol, "this_processor", lambda: "cpu-x")  # the processor the test heads were made on
     monkeypatch.setattr(protocol, "train_head", train_head)
     monkeypatch.setattr(protocol, "judge_head", judge_head)
     return calls
@@ -151,6 +152,24 @@ def test_a_run_skips_a_finished_head_and_trains_one_of_other_data_again(tmp_path
     assert again["dataset"]["token_ids_sha256"] == DATA and again["dev"]["mean_tau"] == pytest.approx(1.55, abs=0.05)
     assert again["budget"]["tokens_per_step"] == 2010.0 and again["configuration"]["steps"] == 150
     assert ("ours-recipe-s0", "dev") not in stand_ins["judged"]
+
+
+def test_on_another_processor_kind_a_stage_stops_before_the_data_and_leaves_the_tables_heads(tmp_path, stand_ins,
+                                                                                             monkeypatch, capsys):
+    write(tmp_path / "heads", head("ours", "recipe", 0, dev=1.7))
+    monkeypatch.setattr(protocol, "this_processor", lambda: "cpu-y")
+    made = protocol.prepare
+    monkeypatch.setattr(protocol, "prepare", lambda grid, work: pytest.fail("the data was made"))
+    before = (tmp_path / "heads" / "ours-recipe-s0.json").read_text()
+    for stage in ("dev", "best", "test"):
+        assert main(tmp_path, "--stage", stage, "--only", "ours") == 1
+        assert "made on cpu-x; this machine is cpu-y" in capsys.readouterr().err
+    assert stand_ins["trained"] == [] and (tmp_path / "heads" / "ours-recipe-s0.json").read_text() == before
+    monkeypatch.setattr(protocol, "prepare", made)  # a table of this processor kind goes in a folder of its own
+    assert protocol.main(["--stage", "dev", "--only", "ours", "--max-heads", "1", "--results",
+                          str(tmp_path / "heads-y"), "--work", str(tmp_path / "work")]) == 0
+    assert stand_ins["trained"] == ["ours-recipe-s0"]
+    assert json.loads((tmp_path / "heads-y" / "ours-recipe-s0.json").read_text())["processor"] == "cpu-y"
 
 
 def test_a_later_session_without_the_exports_keeps_the_figures_in_the_jsons(tmp_path, stand_ins):

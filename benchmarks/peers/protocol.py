@@ -149,6 +149,15 @@ def write_head(folder: Path, head: dict) -> None:
     (folder / f"{head['head']}.json").write_text(json.dumps(head, indent=1) + "\n")
 
 
+def check_processor(heads: dict[str, dict], processor: str, results: Path, instead: str) -> None:
+    """Stops before any data is made when every head's JSON was made on another processor kind: the data this
+    machine regenerates is another dataset, so no head of theirs could be reused (`instead`: what to do)."""
+    kinds = sorted({h["processor"] for h in heads.values()})
+    if kinds and processor not in kinds:
+        raise ProtocolError(f"the heads' JSONs in {results} were made on {' and '.join(kinds)}; this machine is "
+                            f"{processor}, whose regenerated data is another dataset: {instead}")
+
+
 def head_state(head: dict | None, digest: str, conf: dict, role: str) -> str:
     """What a head's JSON leaves to do: `other data` (trained on data of another hash), `train` (no JSON, another
     configuration, or its export gone), `judge` (no figures of `role` yet, or judging failed) or `done`."""
@@ -293,7 +302,6 @@ def run_heads(ctx: SimpleNamespace, heads: dict, wanted: list[tuple[str, str, in
     """Train (when its JSON asks for it) and judge on the `role` sets each (trainer, configuration, seed)."""
     import torch
 
-    from mtp_train.validate.decoding import processor_name
     from mtp_train.validate.testset import choice_record
     from timing import machine
 
@@ -320,7 +328,7 @@ def run_heads(ctx: SimpleNamespace, heads: dict, wanted: list[tuple[str, str, in
             reason = next(c["reason"] for c in ctx.grid["trainers"][trainer]["configs"] if c["name"] == config)
             heads[name] = {"head": name, "trainer": trainer, "configuration": conf, "reason": reason, "seed": seed,
                            "budget": check_budget(name, t["speed"], ctx.grid["budget"], ctx.reference, t["log"]),
-                           "dataset": ctx.dataset, "processor": processor_name(),
+                           "dataset": ctx.dataset, "processor": this_processor(),
                            "machine": machine(torch.get_num_threads()), "git": {
                                k: v for k, v in choice_record(ROOT).items() if k in ("commit", "dirty")},
                            "grid_sha256": sha256(args.grid),
@@ -359,6 +367,12 @@ def wanted_heads(grid: dict, heads: dict, digest: str, stage: str, only: list[st
         print(f"protocol: {t}: best on dev {best}")
         runs += [(t, best, s) for s in (seeds["best"] if stage == "best" else [*seeds["dev"], *seeds["best"]])]
     return runs
+
+
+def this_processor() -> str:
+    from mtp_train.validate.decoding import processor_name
+
+    return processor_name()
 
 
 def sha256(path: Path) -> str:
@@ -401,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("WANDB_MODE", "offline")
             torch.set_num_threads(min(2, os.cpu_count() or 1))
             heads = load_heads(args.results)
+            check_processor(heads, this_processor(), args.results,
+                            "each head would be trained again over theirs. Run this stage on their processor kind, "
+                            "or give --results DIR for a table of this one")
             ctx = prepare(grid, args.work.resolve())
             role = "test" if args.stage == "test" else "dev"  # the best configuration's seeds are judged on dev too
             run_heads(ctx, heads, wanted_heads(grid, heads, ctx.hash, args.stage, args.only), role, args)

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from protocol import (PEERS, ProtocolError, best_config, configuration, load_heads, packed_rows, speculators_rows,
-                      subset_data)
+from protocol import (PEERS, ProtocolError, best_config, check_processor, configuration, load_heads, packed_rows,
+                      speculators_rows, subset_data, this_processor)
 
 ORDER = ("ours", "ours-recipe", "speculators", "specforge")  # the timed runs' labels, in the order of a round
 RATIO = {"ours": "ours_over", "ours-recipe": "recipe_over"}  # summary keys: each of ours over each peer
@@ -233,26 +233,28 @@ def run_speed(grid: dict, args, prepare) -> int:
     import torch
 
     from mtp_train.data.regen_engines import read_cpuinfo
-    from mtp_train.validate.decoding import processor_name
     from protocol import sha256
     from timing import machine
 
     s = grid["speed"]
     heads = load_heads(args.results)
+    if args.chosen_on is None:  # before the data is made (an hour on a fresh machine)
+        check_processor(heads, this_processor(), args.results, "give --chosen-on HASH to time here the "
+                        "configurations chosen on their dev figures (the hashes they hold: --table)")
     # the protocol's data made on this machine chooses, unless the choice is named (then it is made below, once)
     here = None if args.chosen_on else subset_data(grid, args.work.resolve())["token_ids_sha256"]
     on = chosen_on(heads, here, args.chosen_on)
     current = {n: h for n, h in heads.items() if h["dataset"]["token_ids_sha256"] == on}
     chosen = timed({t: best_config(current, grid, t) for t in args.only})  # timed() orders them as a round
-    check_kernels(grid, chosen, read_cpuinfo(), processor_name())
+    check_kernels(grid, chosen, read_cpuinfo(), this_processor())
     speed_grid = {**grid, "data": {**grid["data"], "rows": s["rows"]}}
     ctx = prepare(speed_grid, args.work.resolve() / "speed")
     ctx.seq = speculators_rows(ctx.lengths, 0, 2 * s["rows"] // grid["budget"]["micro_batch"],
                                ctx.reference)["total_seq_len"]
     epoch1 = {t: epoch1_steps(ctx, trainer_of(t)) for t in chosen}
     wins = {t: windows(epoch1[t], s) for t in chosen}
-    out_path = speed_path(args.results, processor_name())
-    key = {"dataset": ctx.dataset, "processor": processor_name(), "chosen_on": {
+    out_path = speed_path(args.results, this_processor())
+    key = {"dataset": ctx.dataset, "processor": this_processor(), "chosen_on": {
                "token_ids_sha256": on, "processors": sorted({h["processor"] for h in current.values()})},
            "chosen": chosen, "speed": s,
            "configurations": {t: configuration(grid, trainer_of(t), c) for t, c in chosen.items()}}
