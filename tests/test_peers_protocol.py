@@ -188,6 +188,18 @@ def test_a_later_session_without_the_exports_keeps_the_figures_in_the_jsons(tmp_
     assert again["test"] is not None
 
 
+def test_the_test_stage_trains_a_best_seed_the_best_stage_left_once_and_judges_it_on_dev_then_test(tmp_path,
+                                                                                                  stand_ins):
+    write(tmp_path / "heads", *(head("ours", c["name"], 0, dev=1.5 + 0.1 * (c["name"] == "floor0"))
+                                for c in GRID["trainers"]["ours"]["configs"]))
+    assert main(tmp_path, "--stage", "test", "--only", "ours") == 0
+    assert stand_ins["trained"] == ["ours-floor0-s0", "ours-floor0-s1", "ours-floor0-s2"]  # each once
+    assert stand_ins["judged"] == [("ours-floor0-s0", "test"), ("ours-floor0-s1", "dev"), ("ours-floor0-s1", "test"),
+                                   ("ours-floor0-s2", "dev"), ("ours-floor0-s2", "test")]
+    s1 = json.loads((tmp_path / "heads" / "ours-floor0-s1.json").read_text())
+    assert s1["dev"]["mean_tau"] and s1["test"]["mean_tau"] and "judged_before_retraining" not in s1["dev"]
+
+
 def test_the_best_configuration_has_the_highest_mean_dev_tau_and_a_tie_goes_to_the_first_listed():
     taus = {"defaults": 1.60, "defaults-lk": 1.65, "matched": 1.65, "matched-lk": 1.62}
     heads = {h["head"]: h for h in (head("speculators", c, 0, dev=t) for c, t in taus.items())}
