@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -163,7 +164,7 @@ def test_on_another_processor_kind_a_stage_stops_before_the_data_and_leaves_the_
     before = (tmp_path / "heads" / "ours-recipe-s0.json").read_text()
     for stage in ("dev", "best", "test"):
         assert main(tmp_path, "--stage", stage, "--only", "ours") == 1
-        assert "made on cpu-x; this machine is cpu-y" in capsys.readouterr().err
+        assert re.search(r"made on cpu-x \(data a{12} \(cpu-x: 1 heads\)\); this machine is cpu-y", capsys.readouterr().err)
     assert stand_ins["trained"] == [] and (tmp_path / "heads" / "ours-recipe-s0.json").read_text() == before
     monkeypatch.setattr(protocol, "prepare", made)  # a table of this processor kind goes in a folder of its own
     assert protocol.main(["--stage", "dev", "--only", "ours", "--max-heads", "1", "--results",
@@ -507,9 +508,10 @@ def test_speed_on_another_processor_times_the_configurations_chosen_on_the_table
     with pytest.raises(protocol.ProtocolError, match=r"no head of this machine's data \(bbbbbbbbbbbb\).*"
                                                      r"aaaaaaaaaaaa \(cpu-x: 2 heads\).*--chosen-on"):
         speed.chosen_on(heads, OTHER, None)  # another processor's data: the choice is named, not guessed
-    assert speed.chosen_on(heads, OTHER, "aaaa") == DATA
-    with pytest.raises(protocol.ProtocolError, match="--chosen-on c matches 0 datasets"):
-        speed.chosen_on(heads, OTHER, "c")
+    assert speed.chosen_on(heads, OTHER, "aaaaaa") == DATA
+    for prefix, matched in (("cccccc", 0), ("", 1), ("aaa", 1)):  # none, and too short to name one
+        with pytest.raises(protocol.ProtocolError, match=f"--chosen-on '{prefix}' matches {matched} datasets"):
+            speed.chosen_on(heads, OTHER, prefix)
     # each processor kind keeps its own rounds
     assert speed.speed_path(Path("r"), "AMD EPYC") == Path("r/speed-amd-epyc.json")
     assert speed.speed_path(Path("r"), "Intel(R) Xeon(R) Processor") == Path("r/speed-intel-xeon-processor.json")
@@ -545,3 +547,23 @@ def test_muon_cpu_times_the_same_newton_schulz_iterations_in_fp32_as_torchs_muon
         assert ours.dtype == torch.float32 and theirs.shape == ours.shape
         assert (ours - theirs).norm() / theirs.norm() < 0.03  # bf16's rounding apart
         assert (ours - g / g.norm()).norm() / ours.norm() > 0.5  # and not the input: it was orthogonalised
+
+
+def test_the_speed_stage_stops_before_any_data_on_another_kind_or_where_muon_would_time_bf16(tmp_path, monkeypatch,
+                                                                                            capsys):
+    import speed
+
+    import mtp_train.data.regen_engines as regen
+
+    write(tmp_path / "heads", *(head(t, c["name"], 0, dev=1.3 + 0.01 * i) for t in protocol.TRAINERS
+                                for i, c in enumerate(GRID["trainers"][t]["configs"])))  # best: each's last listed
+    made = []
+    monkeypatch.setattr(protocol, "this_processor", lambda: "cpu-y")
+    monkeypatch.setattr(protocol, "subset_data", lambda grid, work: made.append("subset"))
+    monkeypatch.setattr(protocol, "prepare", lambda grid, work: made.append("prepare"))
+    monkeypatch.setattr(regen, "read_cpuinfo", lambda: "flags\t\t: fpu avx2\n")  # no AMX
+    assert main(tmp_path, "--stage", "speed") == 1  # the heads are of cpu-x: which choice to time?
+    assert "give --chosen-on HASH" in capsys.readouterr().err and made == []
+    write(tmp_path / "heads", head("speculators", "defaults-lk", 0, dev=1.9))  # speculators' best: Muon
+    assert main(tmp_path, "--stage", "speed", "--chosen-on", DATA[:12]) == 1
+    assert "speculators (defaults-lk) optimises with Muon" in capsys.readouterr().err and made == []

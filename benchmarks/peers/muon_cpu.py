@@ -71,7 +71,7 @@ def time_step(name: str, ps: list[torch.nn.Parameter], opt) -> float:
 def main(argv: list[str] | None = None) -> int:
     from mtp_train.data.regen_engines import has_amx, read_cpuinfo
     from mtp_train.validate.decoding import processor_name
-    from speed import speed_path
+    from protocol import processor_kind
     from timing import machine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,13 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, opt in opts.items():
             times[name].append(time_step(name, ps, opt))
     med = {n: statistics.median(t) for n, t in times.items()}
-    rec = {"processor": processor_name(), "amx": has_amx(read_cpuinfo()), "machine": machine(args.threads),
+    cpuinfo = read_cpuinfo()
+    flags = next((line.partition(":")[2].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    rec = {"processor": processor_name(), "amx": has_amx(cpuinfo), "machine": machine(args.threads),
+           "bf16_flags": sorted(f for f in flags if "bf16" in f or f.startswith("amx")),
            "torch": torch.__version__, "shapes": SHAPES, "rounds": args.rounds,
            "seconds": {n: {"median": med[n], "min": min(t), "max": max(t)} for n, t in times.items()},
            "bf16_over_fp32": med["muon_torch_bf16"] / med["muon_ns_fp32"],
            "date": time.strftime("%Y-%m-%d %H:%M")}
-    out = speed_path(ROOT / "benchmarks" / "results", rec["processor"])
-    out = out.with_name(out.name.replace("speed-", "peers-muon_cpu-"))
+    out = ROOT / "benchmarks" / "results" / f"peers-muon_cpu-{processor_kind(rec['processor'])}.json"
     out.write_text(json.dumps(rec, indent=1) + "\n")
     print(f"one optimizer step on the draft's 2-D weights ({sum(a * b for a, b in SHAPES.values()):,} values), "
           f"{rec['processor']} (AMX: {rec['amx']}), {args.threads} threads, {args.rounds} interleaved rounds")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -149,13 +150,30 @@ def write_head(folder: Path, head: dict) -> None:
     (folder / f"{head['head']}.json").write_text(json.dumps(head, indent=1) + "\n")
 
 
+def processor_kind(processor: str) -> str:
+    """A processor's name as a file-name part: "AMD EPYC" -> amd-epyc, "Intel(R) Xeon(R) Processor" ->
+    intel-xeon-processor."""
+    kind = re.sub(r"[^a-z0-9]+", "-", processor.lower().replace("(r)", "").replace("(tm)", "")).strip("-")
+    return kind or "cpu"
+
+
+def held_hashes(heads: dict[str, dict]) -> str:
+    """The dataset hashes the heads' JSONs hold, each with its processors and head count."""
+    hashes: dict[str, list[dict]] = {}
+    for h in heads.values():
+        hashes.setdefault(h["dataset"]["token_ids_sha256"], []).append(h)
+    return "; ".join(f"{d[:12]} ({', '.join(sorted({h['processor'] for h in hs}))}: {len(hs)} heads)"
+                     for d, hs in hashes.items()) or "no head"
+
+
 def check_processor(heads: dict[str, dict], processor: str, results: Path, instead: str) -> None:
     """Stops before any data is made when every head's JSON was made on another processor kind: the data this
     machine regenerates is another dataset, so no head of theirs could be reused (`instead`: what to do)."""
     kinds = sorted({h["processor"] for h in heads.values()})
     if kinds and processor not in kinds:
-        raise ProtocolError(f"the heads' JSONs in {results} were made on {' and '.join(kinds)}; this machine is "
-                            f"{processor}, whose regenerated data is another dataset: {instead}")
+        raise ProtocolError(f"the heads' JSONs in {results} were made on {' and '.join(kinds)} (data "
+                            f"{held_hashes(heads)}); this machine is {processor}, whose regenerated data is another "
+                            f"dataset: {instead}")
 
 
 def head_state(head: dict | None, digest: str, conf: dict, role: str) -> str:
@@ -425,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(min(2, os.cpu_count() or 1))
             heads = load_heads(args.results)
             check_processor(heads, this_processor(), args.results,
-                            "each head would be trained again over theirs. Run this stage on their processor kind, "
-                            "or give --results DIR for a table of this one")
+                            "none of theirs can be reused here (each would be trained again over its JSON, or "
+                            "with --leave-out left out). Run this stage on their processor kind, or give --results "
+                            "DIR for a table of this one")
             ctx = prepare(grid, args.work.resolve())
             role = "test" if args.stage == "test" else "dev"  # the best configuration's seeds are judged on dev too
             run_heads(ctx, heads, wanted_heads(grid, heads, ctx.hash, args.stage, args.only), role, args)

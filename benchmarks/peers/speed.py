@@ -23,14 +23,13 @@ asked, when a window is not in the epoch it should be, or when a peer's best con
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from protocol import (PEERS, ProtocolError, best_config, check_processor, configuration, load_heads, packed_rows,
-                      speculators_rows, subset_data, this_processor)
+import protocol
+from protocol import PEERS, ProtocolError, best_config, configuration, load_heads, packed_rows, speculators_rows
 
 ORDER = ("ours", "ours-recipe", "speculators", "specforge")  # the timed runs' labels, in the order of a round
 RATIO = {"ours": "ours_over", "ours-recipe": "recipe_over"}  # summary keys: each of ours over each peer
@@ -162,6 +161,10 @@ def print_speed(rec: dict) -> None:
     s = rec["summary"]
     print(f"\ntrainer tokens/s, {len(rec['rounds'])} interleaved rounds, {rec['speed']['window']} steps timed in epoch 1 "
           f"(after {rec['speed']['warmup']}) and in epoch 2; {rec['processor']}, {rec['machine']['threads']} threads")
+    on, here = rec["chosen_on"], rec["dataset"]["token_ids_sha256"]
+    if on["token_ids_sha256"] != here:
+        print(f"configurations chosen on the dev figures of data {on['token_ids_sha256'][:12]} "
+              f"({', '.join(on['processors'])}); timed on this machine's data {here[:12]}")
     print(f"{'trainer':<13}{'configuration':<15}{'epoch 1':>22}{'epoch 2':>22}")
     for t, e in s["tokens_per_s"].items():
         print(f"{t:<13}{rec['chosen'][t]:<15}" + "".join(
@@ -179,28 +182,24 @@ def print_speed(rec: dict) -> None:
 
 def speed_path(results: Path, processor: str) -> Path:
     """results/speed-<processor kind>.json: tokens/s are of one processor kind, and each kind keeps its rounds."""
-    kind = re.sub(r"[^a-z0-9]+", "-", processor.lower().replace("(r)", "").replace("(tm)", "")).strip("-")
-    return Path(results) / f"speed-{kind or 'cpu'}.json"
+    return Path(results) / f"speed-{protocol.processor_kind(processor)}.json"
 
 
-def chosen_on(heads: dict[str, dict], here: str, asked: str | None) -> str:
-    """The dataset hash whose seed-0 dev heads choose each trainer's configuration: this machine's data's, or
-    (`--chosen-on PREFIX`) the heads' of another processor kind, whose data differs (the choice was made on dev
-    there; the speed is measured here)."""
-    hashes: dict[str, list[dict]] = {}
-    for h in heads.values():
-        hashes.setdefault(h["dataset"]["token_ids_sha256"], []).append(h)
-    held = "; ".join(f"{d[:12]} ({', '.join(sorted({h['processor'] for h in hs}))}: {len(hs)} heads)"
-                     for d, hs in hashes.items()) or "no head"
+def chosen_on(heads: dict[str, dict], here: str | None, asked: str | None) -> str:
+    """The dataset hash whose seed-0 dev heads choose each trainer's configuration: this machine's data's (`here`),
+    or (`--chosen-on PREFIX`, at least 6 hex digits) the heads' of another processor kind, whose data differs (the
+    choice was made on dev there; the speed is measured here)."""
+    hashes = {h["dataset"]["token_ids_sha256"] for h in heads.values()}
     if asked is None:
         if here in hashes:
             return here
-        raise ProtocolError(f"speed: no head of this machine's data ({here[:12]}) chose the configurations; the "
-                            f"heads' JSONs hold: {held}. Give --chosen-on HASH to time the configurations chosen on "
-                            "that data's dev figures")
-    found = [d for d in hashes if d.startswith(asked)]
-    if len(found) != 1:
-        raise ProtocolError(f"speed: --chosen-on {asked} matches {len(found)} datasets of the heads' JSONs ({held})")
+        raise ProtocolError(f"speed: no head of this machine's data ({(here or '?')[:12]}) chose the configurations; "
+                            f"the heads' JSONs hold: {protocol.held_hashes(heads)}. Give --chosen-on HASH to time "
+                            "the configurations chosen on that data's dev figures")
+    found = [d for d in hashes if d.startswith(asked.lower())]
+    if len(asked) < 6 or len(found) != 1:
+        raise ProtocolError(f"speed: --chosen-on {asked!r} matches {len(found)} datasets of the heads' JSONs "
+                            f"({protocol.held_hashes(heads)}): give at least 6 digits of one")
     return found[0]
 
 
@@ -222,9 +221,10 @@ def check_kernels(grid: dict, chosen: dict[str, str], cpuinfo: str, processor: s
             if bf16_optimizer(trainer_of(t), configuration(grid, trainer_of(t), c))]
     if slow and not has_amx(cpuinfo):
         raise ProtocolError(f"speed: {', '.join(slow)} optimises with Muon, whose Newton-Schulz iterations run in "
-                            f"bfloat16: on this CPU ({processor}, no AMX) about 49x their fp32 time, most of the "
-                            "peer's step (benchmarks/peers/muon_cpu.py), so its tokens/s would time the processor's "
-                            "bf16, not the trainer. Run the speed stage on a CPU with AMX (Intel Xeon)")
+                            f"bfloat16, and this CPU ({processor}) has no AMX: on AMD EPYC they took 49x their fp32 "
+                            "time, three quarters of the peer's step (benchmarks/peers/muon_cpu.py measures this "
+                            "CPU), so its tokens/s would time the processor's bf16, not the trainer. Run the speed "
+                            "stage on a CPU with AMX (Intel Xeon)")
 
 
 def run_speed(grid: dict, args, prepare) -> int:
@@ -238,23 +238,25 @@ def run_speed(grid: dict, args, prepare) -> int:
 
     s = grid["speed"]
     heads = load_heads(args.results)
-    if args.chosen_on is None:  # before the data is made (an hour on a fresh machine)
-        check_processor(heads, this_processor(), args.results, "give --chosen-on HASH to time here the "
-                        "configurations chosen on their dev figures (the hashes they hold: --table)")
-    # the protocol's data made on this machine chooses, unless the choice is named (then it is made below, once)
-    here = None if args.chosen_on else subset_data(grid, args.work.resolve())["token_ids_sha256"]
+    processor = protocol.this_processor()
+    if args.chosen_on is None:  # the checks come before any data is made (an hour on a fresh machine)
+        protocol.check_processor(heads, processor, args.results, "give --chosen-on HASH to time here the "
+                                 "configurations chosen on one's dev figures")
+    # the protocol's subset made on this machine chooses, unless the choice is named (then only the speed subset
+    # is made, by prepare below)
+    here = None if args.chosen_on is not None else protocol.subset_data(grid, args.work.resolve())["token_ids_sha256"]
     on = chosen_on(heads, here, args.chosen_on)
     current = {n: h for n, h in heads.items() if h["dataset"]["token_ids_sha256"] == on}
     chosen = timed({t: best_config(current, grid, t) for t in args.only})  # timed() orders them as a round
-    check_kernels(grid, chosen, read_cpuinfo(), this_processor())
+    check_kernels(grid, chosen, read_cpuinfo(), processor)
     speed_grid = {**grid, "data": {**grid["data"], "rows": s["rows"]}}
     ctx = prepare(speed_grid, args.work.resolve() / "speed")
     ctx.seq = speculators_rows(ctx.lengths, 0, 2 * s["rows"] // grid["budget"]["micro_batch"],
                                ctx.reference)["total_seq_len"]
     epoch1 = {t: epoch1_steps(ctx, trainer_of(t)) for t in chosen}
     wins = {t: windows(epoch1[t], s) for t in chosen}
-    out_path = speed_path(args.results, this_processor())
-    key = {"dataset": ctx.dataset, "processor": this_processor(), "chosen_on": {
+    out_path = speed_path(args.results, processor)
+    key = {"dataset": ctx.dataset, "processor": processor, "chosen_on": {
                "token_ids_sha256": on, "processors": sorted({h["processor"] for h in current.values()})},
            "chosen": chosen, "speed": s,
            "configurations": {t: configuration(grid, trainer_of(t), c) for t, c in chosen.items()}}
