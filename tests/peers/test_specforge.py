@@ -57,19 +57,34 @@ def test_it_loads_our_draft_vocabulary(peers):
     assert torch.equal(torch.nonzero(mapping["t2d"])[:, 0], ids)
 
 
+def two_steps(name: str) -> Path:
+    """A fresh 2-step run in DIR/name (SpecForge would resume from what it finds there)."""
+    work = DIR / name
+    shutil.rmtree(work, ignore_errors=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_specforge.py"),
+                           "--peers", str(DIR / "data" / "peers.json"), "--work", str(work), "--record",
+                           str(work / "record.json"), "--steps", "2", "--batch", "4", "--ttt", "3",
+                           "--warmup-steps", "1"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return work
+
+
+def test_the_same_seed_trains_the_same_weights():
+    """The protocol keeps a head's dev figures when a fresh machine of the same kind trains it again for its test
+    figures: two runs of one seed give the same exported weights, bit for bit."""
+    from safetensors.torch import load_file
+
+    first, second = (load_file(str(two_steps(f"specforge-seed-{i}") / "export-hf" / "model.safetensors"))
+                     for i in (1, 2))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
 def test_it_trains_two_steps_with_the_cpu_adjustments_and_exports(peers):
     from safetensors import safe_open
 
     _, peers = peers
-    work = DIR / "specforge-2-steps"
-    shutil.rmtree(work, ignore_errors=True)  # a fresh run (SpecForge would resume from what it finds there)
-    record = work / "record.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_specforge.py"),
-                           "--peers", str(DIR / "data" / "peers.json"), "--work", str(work), "--record", str(record),
-                           "--steps", "2", "--batch", "4", "--ttt", "3", "--warmup-steps", "1"],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rec = json.loads(record.read_text())
+    work = two_steps("specforge-2-steps")
+    rec = json.loads((work / "record.json").read_text())
     replaced = {k: v for k, v in rec["adjustments"].items() if v["calls"] is not None}
     assert set(replaced) == {"specforge.modeling.target.target_head:TargetHead.from_pretrained",
                              "specforge.algorithms.eagle3.model:LogSoftmaxLoss.apply",

@@ -79,17 +79,37 @@ def train_args(peers, out: Path, steps: int) -> list[str]:
             "--mask-token-id", "2", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
 
 
+def two_steps(peers: dict, name: str, optimizer: str = "adamw") -> Path:
+    """A fresh 2-step run in DIR/name: speculators resumes from checkpoints it finds there, and its checkpoint
+    loader pins memory, which needs an accelerator."""
+    out = DIR / name
+    shutil.rmtree(out, ignore_errors=True)
+    args = train_args(peers, out, 2)
+    args[args.index("--optimizer") + 1] = optimizer
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_speculators.py"), "--record",
+                           str(out / "record.json"), "--", *args], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_the_same_seed_trains_the_same_weights(peers):
+    """The protocol keeps a head's dev figures when a fresh machine of the same kind trains it again for its test
+    figures: two runs of one seed give the same weights, bit for bit (with its default optimizer, Muon, as the
+    protocol's best configuration trains)."""
+    from safetensors.torch import load_file
+
+    _, peers = peers
+    first, second = (load_file(str(two_steps(peers, f"speculators-seed-{i}", "muon") / "checkpoints" /
+                                   "checkpoint_best" / "model.safetensors")) for i in (1, 2))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
 def test_it_trains_two_steps_with_the_cpu_adjustments(peers):
     from safetensors import safe_open
 
     _, peers = peers
-    out = DIR / "speculators-2-steps"
-    shutil.rmtree(out, ignore_errors=True)  # a fresh run: speculators resumes from checkpoints it finds there,
-    record = out / "record.json"            # and its checkpoint loader pins memory, which needs an accelerator
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_speculators.py"), "--record",
-                           str(record), "--", *train_args(peers, out, 2)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rec = json.loads(record.read_text())
+    out = two_steps(peers, "speculators-2-steps")
+    rec = json.loads((out / "record.json").read_text())
     replaced = {k: v for k, v in rec["adjustments"].items() if v["calls"] is not None}
     assert set(replaced) == {"speculators.train.trainer:get_local_rank", "torch:accelerator.synchronize",
                              "speculators.train.trainer:Trainer.__init__",
