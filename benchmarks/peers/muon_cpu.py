@@ -69,7 +69,7 @@ def time_step(name: str, ps: list[torch.nn.Parameter], opt) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mtp_train.data.regen_engines import has_amx, read_cpuinfo
+    from mtp_train.data.regen_engines import cpu_flags, has_amx, read_cpuinfo
     from mtp_train.validate.decoding import processor_name
     from protocol import processor_kind
     from timing import machine
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append(time_step(name, ps, opt))
     med = {n: statistics.median(t) for n, t in times.items()}
     cpuinfo = read_cpuinfo()
-    flags = next((line.partition(":")[2].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    flags = cpu_flags(cpuinfo)
     rec = {"processor": processor_name(), "amx": has_amx(cpuinfo), "machine": machine(args.threads),
            "bf16_flags": sorted(f for f in flags if "bf16" in f or f.startswith("amx")),
            "torch": torch.__version__, "shapes": SHAPES, "rounds": args.rounds,

@@ -44,13 +44,18 @@ class EngineChoice:
                 **({"python": self.python, **self.vllm} if self.engine == "vllm" else {})}
 
 
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The flags of the first processor of this /proc/cpuinfo text (none without a `flags` line)."""
+    for line in cpuinfo.splitlines():
+        if line.split(":")[0].strip() == "flags":
+            return set(line.partition(":")[2].split())
+    return set()
+
+
 def has_amx(cpuinfo: str) -> bool:
     """Whether the processor of this /proc/cpuinfo text has AMX (Intel's tile matrix units): `amx_bf16` or `amx_tile`
     among its flags."""
-    for line in cpuinfo.splitlines():
-        if line.split(":")[0].strip() == "flags":
-            return bool({"amx_bf16", "amx_tile"} & set(line.partition(":")[2].split()))
-    return False
+    return bool({"amx_bf16", "amx_tile"} & cpu_flags(cpuinfo))
 
 
 def read_cpuinfo() -> str:
