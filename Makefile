@@ -96,8 +96,9 @@ peers: $(STAMP) peers-venvs
 	MTP_PEERS_DIR=$(abspath $(PEERS_DIR)) $(SPECFORGE_VENV)/bin/python -m pytest -q --noconftest -p no:cacheprovider \
 	    tests/peers/test_specforge.py
 
-# CI's serving check (.ci/run, after make test): vllm-mtp (the plugin), eagle-vllm and eagle3 on the tiny target,
-# heads trained on part of its data, 4 prompts: greedy identity and acceptance agreement with our engine.
+# CI's serving check (.ci/run, after make test): vllm-mtp (the plugin), eagle-vllm, eagle3, eagle3-norms and
+# eagle3-2-layers on the tiny target, heads trained on part of its data, 4 prompts: greedy identity and acceptance
+# agreement with our engine.
 SMOKE_DIR ?= runs/serving-smoke
 test-serving-smoke: $(STAMP) $(PLUGIN_STAMP)
 	$(BIN)/python tests/serving/prepare.py $(SMOKE_DIR) --smoke

@@ -1,3 +1,4 @@
+import ast
 from collections import Counter
 
 import pytest
@@ -72,3 +73,51 @@ def undocumented():
     assert user["content"] == "Write `def add(a, b=2)`.\n\nAdd two numbers."
     assert assistant["content"] == '@staticmethod\ndef add(a, b=2):\n    """Add two numbers."""\n    return a + b'
     assert list(stdlib.function_conversations("def broken(:\n")) == []
+
+
+def test_function_conversations_keep_ast_walks_order():
+    """`_defs` visits statements only; the conversations (and so the records' `#i` numbers and the tiny
+    recipe's data) come in `ast.walk`'s order: defs under every kind of block, and the head-train split's files."""
+    src = '''
+def outer():
+    """o"""
+    def inner():
+        """i"""
+    class C:
+        async def method(self):
+            """m"""
+try:
+    def in_try():
+        """t"""
+except ImportError:
+    def in_except():
+        """e"""
+else:
+    def in_else():
+        """l"""
+finally:
+    def in_finally():
+        """f"""
+if x:
+    with y:
+        for z in w:
+            while v:
+                def deep():
+                    """d"""
+match q:
+    case 1:
+        def in_case():
+            """c"""
+'''
+    files = [src] + [f.read() for f in stdlib.list_files("head-train")[:40]]
+    for text in files:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        walked = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        assert list(stdlib._defs(tree)) == walked
+    names = [c[1]["content"].split("(")[0] for c in stdlib.function_conversations(src)]
+    assert names == ["Write `def outer", "Write `def inner", "Write `def in_try", "Write `def in_else",
+                     "Write `def in_finally", "Write `async def method", "Write `def in_except",
+                     "Write `def in_case", "Write `def deep"]  # breadth first: by depth, then in source order

@@ -21,6 +21,7 @@ import ast
 import hashlib
 import os
 import sysconfig
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,21 @@ def iter_texts(split: str, root: Path | None = None) -> Iterator[str]:
 SYSTEM_PROMPT = "You are a Python assistant. Write the function the user describes."
 
 
+_BLOCKS = (ast.stmt, ast.excepthandler, ast.match_case)  # the only nodes a `def` can sit under
+
+
+def _defs(tree: ast.Module) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """The tree's function definitions in `ast.walk`'s breadth-first order, visiting statements only: a `def`
+    is never inside an expression, so skipping expressions drops no `def` and keeps the order (the records'
+    `#i` numbers), at a tenth of the nodes."""
+    queue = deque([tree])
+    while queue:
+        node = queue.popleft()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+        queue.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, _BLOCKS))
+
+
 def function_conversations(text: str, max_chars: int = 2000) -> Iterator[list[dict[str, str]]]:
     """Chat samples cut from one source file: the user gives a function's signature and docstring, the
     assistant answers with the whole function. Files that do not parse yield nothing."""
@@ -94,9 +110,7 @@ def function_conversations(text: str, max_chars: int = 2000) -> Iterator[list[di
     except (SyntaxError, ValueError):
         return
     lines = text.splitlines()
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
+    for node in _defs(tree):
         doc = ast.get_docstring(node)
         if not doc or node.end_lineno is None:
             continue

@@ -21,8 +21,9 @@ Cases (a layout, the method vLLM serves it with, the target):
   on 64 conversations, the target's full vocabulary), when the converted model is present (`make smollm2-fetch`).
 
 With `--smoke` (CI's `make test-serving-smoke`): only vllm-mtp, eagle-vllm, eagle3, eagle3-norms and
-eagle3-2-layers on the tiny target, heads trained 30 steps on a part of its data (eagle3 2 deep), 4 prompts; the vLLM
-tests then check greedy identity and acceptance only.
+eagle3-2-layers on the tiny target, heads trained 30 steps on a part of its data (eagle3 2 deep) with the target's
+features computed in the step (`train.features=online`, no precompute), 4 prompts; the vLLM tests then check greedy
+identity and acceptance only.
 
 manifest.json: per case the target, the prompts (token ids), the export directory, k, the new-token budget and
 what our engine did on the same prompts, greedy (`mtp_train.export.engine_check.ours`: the target alone and
@@ -55,9 +56,11 @@ SMOL = [*PLAIN_HEAD, "head.draft_vocab=0", "data.regenerate=false", "data.source
 # vLLM's reference MLA backend for the DeepSeek target on every x86 CPU: where the CPU has AMX, vLLM would pick
 # AMX_MLA, which refuses fp32 weights (`expect weight to be bfloat16, ...`); CPU_MLA is what AMD CPUs get anyway
 DEEPSEEK_VLLM = ["--attention-backend", "CPU_MLA"]
-# CI's smoke test (--smoke): these cases, heads trained on a part of the tiny data, fewer prompts
+# CI's smoke test (--smoke): these cases, heads trained on a part of the tiny data (online: no store), fewer
+# prompts; one val document (its chunks are most of what the start and end evaluations read; the prompts come
+# from the val conversations)
 SMOKE = ("vllm-mtp", "eagle-vllm", "eagle3", "eagle3-norms", "eagle3-2-layers")
-SMOKE_DATA = ["data.sources.0.limit=60", "data.sources.1.limit=300", "data.sources.2.limit=4",
+SMOKE_DATA = ["data.sources.0.limit=60", "data.sources.1.limit=300", "data.sources.2.limit=1",
               "data.sources.3.limit=16"]
 SMOKE_PROMPTS, SMOKE_STEPS = 4, 30
 # EAGLE-3's 7-deep training-time test is most of the smoke's time
@@ -86,13 +89,17 @@ def exported(export: Path) -> bool:
     return any(export.glob("*/export.json"))
 
 
-def train_and_export(run_dir: Path, recipe: str, overrides: list[str], fmt: str, steps: int) -> Path:
+def train_and_export(run_dir: Path, recipe: str, overrides: list[str], fmt: str, steps: int,
+                     online: bool = False) -> Path:
+    """prepare, precompute, train and export (`online`: no store, the target's features computed in each
+    step, the same weights bit for bit: tests/test_features.py)."""
     export = run_dir / "export"
     common = [f"recipe={recipe}", f"run_dir={run_dir}", "target.device=cpu", *overrides]
     if not exported(export):
-        for stage in ("prepare", "precompute"):
+        for stage in ("prepare",) if online else ("prepare", "precompute"):
             mtp_train(stage, *common)
-        mtp_train("train", *common, f"train.steps={steps}", "train.eval_every=0", "resume=true")
+        mtp_train("train", *common, f"train.steps={steps}", "train.eval_every=0", "resume=true",
+                  *(["train.features=online"] if online else []))
         mtp_train("export", *common, f"export.format={fmt}")
     return export
 
@@ -196,7 +203,8 @@ def main() -> None:
         overrides = [*overrides, *([*SMOKE_DATA, *SMOKE_TRAIN.get(name, [])] if args.smoke else [])]
         named = [o.split("=")[-1] for o in overrides if not o.startswith("data.")]  # smoke's data cut: same name
         run_dir = out / f"run-{recipe}-{'-'.join(named) or 'default'}"
-        export = train_and_export(run_dir, recipe, overrides, fmt, SMOKE_STEPS if args.smoke else steps or args.steps)
+        export = train_and_export(run_dir, recipe, overrides, fmt, SMOKE_STEPS if args.smoke else steps or args.steps,
+                                  online=args.smoke)
         cfg = compose(recipe, [f"run_dir={run_dir}", "target.device=cpu", *overrides])
         tiny_prompts = tiny_prompts or held_out_prompts(run_dir / "data", n_prompts, 512)
         manifest["cases"].append(case(name, cfg, run_dir, export / sub, METHODS[sub], k, tiny_prompts))
