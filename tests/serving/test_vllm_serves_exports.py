@@ -53,10 +53,14 @@ def vllm(name: str, case: dict, *spec: str, options: tuple = ()) -> dict:
     if not out.exists() or "error" in json.loads(out.read_text()):
         prompts = DIR / f"prompts-{case['case']}.json"
         prompts.write_text(json.dumps(case["prompts"]))
-        # the engine core in this process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0): the same tokens and
-        # spec-decode counters, a third of the start-up time (two fewer spawned processes importing vLLM)
+        # the engine core in this process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0): on the tiny target the same
+        # tokens and spec-decode counters, greedy, a third of the start-up time (no spawned engine and worker
+        # importing vLLM again). The cases with their own options (the DeepSeek target on CPU_MLA) keep vLLM's
+        # spawned engine: CPU_MLA decodes that target one way there and another in process, each deterministic,
+        # neither transformers' (0/4 prompts, from the first token; AMD EPYC, 2026-12-07)
+        in_process = "0" if not case.get("vllm_options") else "1"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-               "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
+               "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", in_process)}
         options = (*options, *case.get("vllm_options", ()))  # the case's own (the DeepSeek target's backend)
         args = [case["target"], str(prompts), str(out), *spec, "--max-tokens", str(case["new_tokens"]), *options]
         script = VLLM_RUN
