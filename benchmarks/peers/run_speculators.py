@@ -10,6 +10,10 @@ Adjustments (each recorded in OUT.json with how often it ran):
   (twice per logged step) to time GPU work;
 - `speculators.train.trainer.Trainer.__init__`: the autocast device type is `cpu` when there is no accelerator
   (speculators falls back to "cuda");
+- with --muon-fp32-gemms (side_by_side.py passes it on a CPU without AMX), `torch.optim._muon:
+  _zeropower_via_newtonschulz`, the Newton-Schulz iterations of its default optimizer Muon, keeps their bf16 values
+  between products but computes each product by fp32 GEMMs (muon_cpu.newton_schulz): a CPU without bf16 matrix
+  units runs torch's bf16 GEMMs 48x slower (RESULTS `peers`);
 - flags the caller passes (checked here): `--draft-attn-impl sdpa` (flex attention has no CPU backward),
   `--loss-implementation eager` (the fused loss needs Triton), `--mask-token-id N` (the tokenizer names none).
 The record also holds each optimizer step's end time and real (unpadded) tokens (its validation batches left out:
@@ -27,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adjust import Adjustments  # noqa: E402
+from muon_cpu import MUON_ADJUSTMENT, newton_schulz  # noqa: E402
 from step_profile import profiled  # noqa: E402
 
 REQUIRED_FLAGS = {"--draft-attn-impl": "sdpa", "--loss-implementation": "eager"}
@@ -40,7 +45,8 @@ def check_flags(argv: list[str]) -> None:
         raise SystemExit("run_speculators.py: pass --mask-token-id N (a token id the draft masks with)")
 
 
-def adjust(adj: Adjustments, steps: list[dict], tokens: list[int], outside: list[list[float]]) -> None:
+def adjust(adj: Adjustments, steps: list[dict], tokens: list[int], outside: list[list[float]],
+           muon_fp32_gemms: bool = False) -> None:
     import torch
 
     cpu = torch.device("cpu")
@@ -50,6 +56,12 @@ def adjust(adj: Adjustments, steps: list[dict], tokens: list[int], outside: list
     adj.replace("torch:accelerator.synchronize", "the step timer synchronizes an accelerator; there is none",
                 lambda orig: (lambda *a, **k: None if torch.accelerator.current_accelerator() is None
                               else orig(*a, **k)))
+    if muon_fp32_gemms:
+        adj.replace(MUON_ADJUSTMENT,
+                    "Muon's bf16 Newton-Schulz products computed by fp32 GEMMs and rounded to bf16: this CPU has no "
+                    "bf16 matrix units, where torch's bf16 GEMMs take 48x the time", lambda orig: (
+                        lambda grad, coefficients, steps, eps: newton_schulz(grad, steps, eps, coefficients,
+                                                                             between=torch.bfloat16)))
     from speculators.train import trainer as tr
 
     def init(orig):
@@ -110,6 +122,8 @@ def main() -> None:
     ap.add_argument("--profile", nargs="+", metavar="OUT FIRST LAST", default=None,
                     help="OUT FIRST LAST [FIRST LAST ...]: profile those optimizer steps by category (step_profile.py) "
                     "into OUT")
+    ap.add_argument("--muon-fp32-gemms", action="store_true", help="Muon's bf16 Newton-Schulz products by fp32 GEMMs "
+                    "(a CPU without bf16 matrix units)")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     ns = ap.parse_args()
     argv = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
@@ -122,7 +136,7 @@ def main() -> None:
     steps: list[dict] = []
     tokens: list[int] = []  # each training batch's (validation batches left out)
     outside: list[list[float]] = []
-    adjust(adj, steps, tokens, outside)
+    adjust(adj, steps, tokens, outside, ns.muon_fp32_gemms)
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 

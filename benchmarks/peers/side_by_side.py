@@ -50,6 +50,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+from muon_cpu import MUON_ADJUSTMENT  # noqa: E402
 from timing import PLAIN_HEAD, command, machine  # noqa: E402
 
 SETTINGS_NOT_MATCHED = [
@@ -215,7 +216,7 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
     # step): exactly the epochs that hold the steps, so its last checkpoint is the one at --max-steps
     epochs = epochs or math.ceil(args.steps * seq / peers["tokens"]["train"])
     cmd = [str(ROOT / ".venv-speculators" / "bin" / "python"), str(HERE / "run_speculators.py"), "--record",
-           str(record), *profile_flags(profile, out), "--", "--verifier-name-or-path", peers["target"],
+           str(record), *profile_flags(profile, out), *muon_flags(), "--", "--verifier-name-or-path", peers["target"],
            "--data-path", peers["speculators"]["dir"],
            "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
            "--draft-vocab-size", str(peers["draft_vocab"]), "--d2t-path", peers["speculators"]["d2t"],
@@ -229,7 +230,8 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
     argv = cmd[cmd.index("--") + 1:]  # speculators' own arguments
     # a record is written even by a run that died (its `finally`): reused only when it made every step
     if not (args.reuse and profile is None and earlier.get("argv") == argv
-            and len(earlier.get("step_end_s", [])) == args.steps):
+            and len(earlier.get("step_end_s", [])) == args.steps
+            and (MUON_ADJUSTMENT in earlier.get("adjustments", {})) == bool(muon_flags())):
         shutil.rmtree(out / "checkpoints", ignore_errors=True)  # it resumes from checkpoints it finds
         launch(cmd, out, profile)
     rec = json.loads(record.read_text())
@@ -240,6 +242,15 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
     return {"export": export, "speed": speed(steps["ends"], steps["tokens"], steps["outside"]), "steps": steps,
             "adjustments": rec["adjustments"], "total_seq_len": seq, "norms": norms, "settings": argv,
             **profile_record(profile, out)}
+
+
+def muon_flags() -> list[str]:
+    """run_speculators.py's --muon-fp32-gemms on a CPU without AMX: torch.optim.Muon's bf16 GEMMs run 48x their
+    fp32 time there (benchmarks/peers/muon_cpu.py), so its Newton-Schulz products are computed by fp32 GEMMs and
+    rounded to bf16, the values of its bf16 iterations (docs/peers.md, the adjustments)."""
+    from mtp_train.data.regen_engines import has_amx, read_cpuinfo
+
+    return [] if has_amx(read_cpuinfo()) else ["--muon-fp32-gemms"]
 
 
 def specforge_settings(args) -> list[str]:

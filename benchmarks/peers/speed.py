@@ -165,6 +165,8 @@ def print_speed(rec: dict) -> None:
     if on["token_ids_sha256"] != here:
         print(f"configurations chosen on the dev figures of data {on['token_ids_sha256'][:12]} "
               f"({', '.join(on['processors'])}); timed on this machine's data {here[:12]}")
+    if muon := (rec.get("adjusted_kernels") or {}).get("muon_fp32_gemms"):
+        print(f"{', '.join(muon)}: Muon's bf16 Newton-Schulz products by fp32 GEMMs (this CPU has no AMX)")
     print(f"{'trainer':<13}{'configuration':<15}{'epoch 1':>22}{'epoch 2':>22}")
     for t, e in s["tokens_per_s"].items():
         print(f"{t:<13}{rec['chosen'][t]:<15}" + "".join(
@@ -211,20 +213,18 @@ def bf16_optimizer(trainer: str, conf: dict) -> bool:
                                          else "muon") == "muon"
 
 
-def check_kernels(grid: dict, chosen: dict[str, str], cpuinfo: str, processor: str) -> None:
-    """Stops where a timed configuration would time this processor's bfloat16 rather than its trainer: Muon's
-    bf16 Newton-Schulz on a CPU without AMX (49x the same iterations in fp32 on AMD EPYC, 76% of speculators'
-    step: benchmarks/peers/muon_cpu.py, RESULTS `peers`). The heads themselves train the same anywhere."""
+def kernels(grid: dict, chosen: dict[str, str], cpuinfo: str) -> dict:
+    """What the timed runs compute otherwise than as released, by this CPU: on one without AMX, the timed
+    configurations that optimise with Muon run its bf16 Newton-Schulz products by fp32 GEMMs (side_by_side.py
+    muon_flags: torch's bf16 GEMMs took 48x their fp32 time there, three quarters of the peer's step,
+    benchmarks/peers/muon_cpu.py, RESULTS `peers`), so that its tokens/s times the trainer, not the processor's bf16.
+    -> {"muon_fp32_gemms": [labels]} (empty where none)."""
     from mtp_train.data.regen_engines import has_amx
 
-    slow = [f"{t} ({c})" for t, c in chosen.items()
-            if bf16_optimizer(trainer_of(t), configuration(grid, trainer_of(t), c))]
-    if slow and not has_amx(cpuinfo):
-        raise ProtocolError(f"speed: {', '.join(slow)} optimises with Muon, whose Newton-Schulz iterations run in "
-                            f"bfloat16, and this CPU ({processor}) has no AMX: on AMD EPYC they took 49x their fp32 "
-                            "time, three quarters of the peer's step (benchmarks/peers/muon_cpu.py measures this "
-                            "CPU), so its tokens/s would time the processor's bf16, not the trainer. Run the speed "
-                            "stage on a CPU with AMX (Intel Xeon)")
+    if has_amx(cpuinfo):
+        return {}
+    muon = [t for t, c in chosen.items() if bf16_optimizer(trainer_of(t), configuration(grid, trainer_of(t), c))]
+    return {"muon_fp32_gemms": muon} if muon else {}
 
 
 def run_speed(grid: dict, args, prepare) -> int:
@@ -248,7 +248,6 @@ def run_speed(grid: dict, args, prepare) -> int:
     on = chosen_on(heads, here, args.chosen_on)
     current = {n: h for n, h in heads.items() if h["dataset"]["token_ids_sha256"] == on}
     chosen = timed({t: best_config(current, grid, t) for t in args.only})  # timed() orders them as a round
-    check_kernels(grid, chosen, read_cpuinfo(), processor)
     speed_grid = {**grid, "data": {**grid["data"], "rows": s["rows"]}}
     ctx = prepare(speed_grid, args.work.resolve() / "speed")
     ctx.seq = speculators_rows(ctx.lengths, 0, 2 * s["rows"] // grid["budget"]["micro_batch"],
@@ -258,7 +257,7 @@ def run_speed(grid: dict, args, prepare) -> int:
     out_path = speed_path(args.results, processor)
     key = {"dataset": ctx.dataset, "processor": processor, "chosen_on": {
                "token_ids_sha256": on, "processors": sorted({h["processor"] for h in current.values()})},
-           "chosen": chosen, "speed": s,
+           "chosen": chosen, "speed": s, "adjusted_kernels": kernels(grid, chosen, read_cpuinfo()),
            "configurations": {t: configuration(grid, trainer_of(t), c) for t, c in chosen.items()}}
     rec = json.loads(out_path.read_text()) if out_path.is_file() else {}
     if any(rec.get(k) != v for k, v in key.items()):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from muon_cpu import MUON_ADJUSTMENT
 from protocol import PEERS, TRAINERS, ProtocolError, best_config, head_name, load_heads, mean_dev_tau
 
 
@@ -83,6 +84,8 @@ def table(heads: dict[str, dict], grid: dict, seed: int = 0) -> dict:
                        "prompts": len(num[0]), "seeds": len(rows),
                        "greedy_identical": sum(h["test"]["sets"][s]["greedy_identical_prompts"] for h in rows),
                        "draws": draws}
+        if muon := [n for n in names if (heads[n].get("adjustments") or {}).get(MUON_ADJUSTMENT)]:
+            out["muon_fp32_gemms"] = out.get("muon_fp32_gemms", []) + muon
         out["trainers"][trainer] = {"configuration": best, "heads": names, "layers": rows[0].get("layers"),
                                     "floor": rows[0]["configuration"]["floor"], "sets": sets}
     peers = [p for p in PEERS if p in out["trainers"]]
@@ -117,6 +120,9 @@ def format_table(result: dict, grid: dict, digest: str, processor: str, left: di
         lines += ["", f"| test set | ours / best peer, τ({k}) [95%] |", "|---|---|"]
         lines += [f"| {s} | {cell(r)} over {r['peer']} |" for s, r in result["ratios"].items()]
     notes = [f"incomplete: {x}" for x in result["incomplete"]] + [f"left out: {n}: {why}" for n, why in left.items()]
+    if muon := result.get("muon_fp32_gemms"):
+        notes.append(f"{', '.join(muon)}: Muon's bf16 Newton-Schulz products computed by fp32 GEMMs (no AMX on "
+                     "this processor; docs/peers.md, the adjustments)")
     lines += [""] * bool(notes) + notes
     return "\n".join(lines)
 

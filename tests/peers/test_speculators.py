@@ -79,15 +79,16 @@ def train_args(peers, out: Path, steps: int) -> list[str]:
             "--mask-token-id", "2", "--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
 
 
-def two_steps(peers: dict, name: str, optimizer: str = "adamw") -> Path:
-    """A fresh 2-step run in DIR/name: speculators resumes from checkpoints it finds there, and its checkpoint
-    loader pins memory, which needs an accelerator."""
+def two_steps(peers: dict, name: str, optimizer: str = "adamw", launcher: tuple[str, ...] = ()) -> Path:
+    """A fresh 2-step run in DIR/name (`launcher`: run_speculators.py's own flags): speculators resumes from
+    checkpoints it finds there, and its checkpoint loader pins memory, which needs an accelerator."""
     out = DIR / name
     shutil.rmtree(out, ignore_errors=True)
     args = train_args(peers, out, 2)
     args[args.index("--optimizer") + 1] = optimizer
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "run_speculators.py"), "--record",
-                           str(out / "record.json"), "--", *args], capture_output=True, text=True, timeout=900)
+                           str(out / "record.json"), *launcher, "--", *args], capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -102,6 +103,28 @@ def test_the_same_seed_trains_the_same_weights(peers):
     first, second = (load_file(str(two_steps(peers, f"speculators-seed-{i}", "muon") / "checkpoints" /
                                    "checkpoint_best" / "model.safetensors")) for i in (1, 2))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_muons_bf16_products_by_fp32_gemms_train_the_weights_of_torchs_bf16_ones(peers):
+    """--muon-fp32-gemms (side_by_side.py passes it on a CPU without AMX) replaces torch.optim.Muon's Newton-Schulz
+    iterations, once per Muon weight and step, and trains the weights torch's bf16 iterations train, bf16's
+    summation order apart."""
+    from safetensors.torch import load_file
+
+    _, peers = peers
+    runs = {flags: two_steps(peers, f"speculators-muon{'-'.join(flags)}", "muon", flags)
+            for flags in ((), ("--muon-fp32-gemms",))}
+    rec = json.loads((runs[("--muon-fp32-gemms",)] / "record.json").read_text())
+    weights = [load_file(str(out / "checkpoints" / "checkpoint_best" / "model.safetensors")) for out in runs.values()]
+    native, gemms = weights
+    assert native.keys() == gemms.keys()
+    calls = rec["adjustments"]["torch.optim._muon:_zeropower_via_newtonschulz"]["calls"]
+    assert calls > 0 and calls % 2 == 0, calls  # every Muon weight, at each of the 2 steps
+    assert "torch.optim._muon:_zeropower_via_newtonschulz" not in json.loads(
+        (runs[()] / "record.json").read_text())["adjustments"]
+    for k in native:
+        a, b = native[k].float(), gemms[k].float()
+        assert (a - b).norm() <= 1e-3 * a.norm() + 1e-6, (k, float((a - b).norm() / a.norm()))
 
 
 def test_it_trains_two_steps_with_the_cpu_adjustments(peers):
