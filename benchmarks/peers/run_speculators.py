@@ -13,7 +13,7 @@ Adjustments (each recorded in OUT.json with how often it ran):
 - with --muon-fp32-gemms (side_by_side.py passes it on a CPU without AMX), `torch.optim._muon:
   _zeropower_via_newtonschulz`, the Newton-Schulz iterations of its default optimizer Muon, keeps their bf16 values
   between products but computes each product by fp32 GEMMs (muon_cpu.newton_schulz): a CPU without bf16 matrix
-  units runs torch's bf16 GEMMs 48x slower (RESULTS `peers`);
+  units runs torch's bf16 GEMMs 39-49x slower (RESULTS `peers`);
 - flags the caller passes (checked here): `--draft-attn-impl sdpa` (flex attention has no CPU backward),
   `--loss-implementation eager` (the fused loss needs Triton), `--mask-token-id N` (the tokenizer names none).
 The record also holds each optimizer step's end time and real (unpadded) tokens (its validation batches left out:
@@ -59,7 +59,7 @@ def adjust(adj: Adjustments, steps: list[dict], tokens: list[int], outside: list
     if muon_fp32_gemms:
         adj.replace(MUON_ADJUSTMENT,
                     "Muon's bf16 Newton-Schulz products computed by fp32 GEMMs and rounded to bf16: this CPU has no "
-                    "bf16 matrix units, where torch's bf16 GEMMs take 48x the time", lambda orig: (
+                    "bf16 matrix units, where torch's bf16 GEMMs take 39-49x the time", lambda orig: (
                         lambda grad, coefficients, steps, eps: newton_schulz(grad, steps, eps, coefficients,
                                                                              between=torch.bfloat16)))
     from speculators.train import trainer as tr

@@ -245,7 +245,7 @@ def speculators(args, peers: dict, work: Path, name: str = "speculators", norms:
 
 
 def muon_flags() -> list[str]:
-    """run_speculators.py's --muon-fp32-gemms on a CPU without AMX: torch.optim.Muon's bf16 GEMMs run 48x their
+    """run_speculators.py's --muon-fp32-gemms on a CPU without AMX: torch.optim.Muon's bf16 GEMMs run 39-49x their
     fp32 time there (benchmarks/peers/muon_cpu.py), so its Newton-Schulz products are computed by fp32 GEMMs and
     rounded to bf16, the values of its bf16 iterations (docs/peers.md, the adjustments)."""
     from mtp_train.data.regen_engines import has_amx, read_cpuinfo

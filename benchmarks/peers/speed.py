@@ -216,7 +216,7 @@ def bf16_optimizer(trainer: str, conf: dict) -> bool:
 def kernels(grid: dict, chosen: dict[str, str], cpuinfo: str) -> dict:
     """What the timed runs compute otherwise than as released, by this CPU: on one without AMX, the timed
     configurations that optimise with Muon run its bf16 Newton-Schulz products by fp32 GEMMs (side_by_side.py
-    muon_flags: torch's bf16 GEMMs took 48x their fp32 time there, three quarters of the peer's step,
+    muon_flags: torch's bf16 GEMMs took 39-49x their fp32 time there, three quarters of the peer's step,
     benchmarks/peers/muon_cpu.py, RESULTS `peers`), so that its tokens/s times the trainer, not the processor's bf16.
     -> {"muon_fp32_gemms": [labels]} (empty where none)."""
     from mtp_train.data.regen_engines import has_amx
