@@ -595,3 +595,42 @@ def test_the_speed_stage_stops_before_any_data_on_another_kind(tmp_path, monkeyp
     monkeypatch.setattr(protocol, "prepare", prepared)  # Muon without AMX no longer stops it: its products by fp32
     assert main(tmp_path, "--stage", "speed", "--chosen-on", DATA[:12]) == 1  # GEMMs (run_speculators.py)
     assert "protocol: prepared" in capsys.readouterr().err and made == ["prepare"]
+
+
+def test_the_speed_stage_resumes_a_round_cut_off_from_the_runs_it_kept(tmp_path, monkeypatch, capsys):
+    import speed
+
+    import mtp_train.data.regen_engines as regen
+
+    write(tmp_path / "heads", *(head("ours", c["name"], 0, dev=1.4 if c["name"] == "two-layers" else 1.3)
+                                for c in GRID["trainers"]["ours"]["configs"]))  # best: two-layers, then the recipe's
+    monkeypatch.setattr(protocol, "this_processor", lambda: "cpu-x")
+    monkeypatch.setattr(regen, "read_cpuinfo", lambda: "flags\t\t: fpu avx2 amx_tile\n")
+    ctx = SimpleNamespace(grid=GRID, lengths=[250] * 400, reference=2000.0, dataset={"token_ids_sha256": DATA},
+                          work=tmp_path / "work")
+    monkeypatch.setattr(protocol, "prepare", lambda grid, work: ctx)
+    ran, stop_at = [], [3]
+
+    def run_trainer(ctx, label, config, work, epoch1, profile=None):  # 90 steps of 2,000 tokens, 2 s or 1 s each
+        if len(ran) == stop_at[0]:
+            raise protocol.ProtocolError("the session ended")
+        ran.append(label)
+        step = 2.0 if label == "ours" else 1.0
+        return {"ends": [step * (i + 1) for i in range(epoch1 + 40)], "tokens": [2000] * (epoch1 + 40),
+                "epochs": [0] * epoch1 + [1] * 40, "outside": None,
+                "profile": {"results": [{"share_total": 0.1}, {"share_total": 0.1}]} if profile else None}
+
+    monkeypatch.setattr(speed, "run_trainer", run_trainer)
+    assert main(tmp_path, "--stage", "speed", "--only", "ours", "--chosen-on", DATA[:12]) == 1  # cut off in round 2, after its first run
+    rec = json.loads(speed.speed_path(tmp_path / "heads", "cpu-x").read_text())
+    assert ran == ["ours", "ours-recipe", "ours"] and len(rec["rounds"]) == 1
+    assert list(rec["partial_round"]) == ["ours"] and rec["partial_round"]["ours"]["epoch1"] == pytest.approx(1000)
+    stop_at[0] = None
+    assert main(tmp_path, "--stage", "speed", "--only", "ours", "--chosen-on", DATA[:12]) == 0
+    assert "round 2/5: ours (two-layers) ran before this run" in capsys.readouterr().out
+    # round 2 went on with ours-recipe, not a fresh ours: 5 rounds of 2 runs in all, and the 2 profile runs
+    assert ran[3:] == ["ours-recipe"] + ["ours", "ours-recipe"] * 3 + ["ours", "ours-recipe"]
+    rec = json.loads(speed.speed_path(tmp_path / "heads", "cpu-x").read_text())
+    assert len(rec["rounds"]) == 5 and rec["partial_round"] == {}
+    assert rec["summary"]["tokens_per_s"]["ours"]["epoch1"]["median"] == pytest.approx(1000)
+    assert rec["summary"]["tokens_per_s"]["ours-recipe"]["epoch2"]["median"] == pytest.approx(2000)

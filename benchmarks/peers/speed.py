@@ -13,8 +13,9 @@ steps of epoch 2 (real tokens over wall time, less a peer's checkpointing and va
 (`step_profile.py`: attention, loss), and the ratios are also given with the peer's, and with both sides', attention
 and loss taken out.
 
-Writes benchmarks/results/peers-protocol/speed-<processor kind>.json after every round (a later run on the same kind
-resumes from its rounds when the data and the configurations are the same) and prints the table. The configurations
+Writes benchmarks/results/peers-protocol/speed-<processor kind>.json after every run (a later run on the same kind
+resumes from its rounds, and from the runs of a round cut off, when the data and the configurations are the same)
+and prints the table. The configurations
 are those chosen on the dev figures of this machine's data, or (`--chosen-on HASH`) of the heads' data made on another
 processor kind: the table's choice, timed here. Exits non-zero when a run makes other steps than
 asked, when a window is not in the epoch it should be, or when a peer's best configuration is not known yet.
@@ -265,7 +266,7 @@ def run_speed(grid: dict, args, prepare) -> int:
     rec = {**key, "windows": wins, "epoch1_steps": epoch1, "speculators_total_seq_len": ctx.seq,
            "machine": machine(torch.get_num_threads()),
            "grid_sha256": sha256(args.grid), "rounds": rec.get("rounds", []), "profiles": rec.get("profiles", {}),
-           "epoch_check": rec.get("epoch_check", {})}
+           "epoch_check": rec.get("epoch_check", {}), "partial_round": rec.get("partial_round", {})}
 
     def save() -> None:
         rec["summary"] = summary(rec["rounds"], rec["profiles"], chosen) if rec["rounds"] else None
@@ -275,8 +276,11 @@ def run_speed(grid: dict, args, prepare) -> int:
 
     while len(rec["rounds"]) < s["rounds"]:
         r = len(rec["rounds"])
-        row = {}
+        row = rec["partial_round"]  # the runs of a round cut off (a session's end) stay; the rest follow in turn
         for t, c in chosen.items():
+            if t in row:
+                print(f"protocol: speed round {r + 1}/{s['rounds']}: {t} ({c}) ran before this run", flush=True)
+                continue
             print(f"protocol: speed round {r + 1}/{s['rounds']}: {t} ({c})", flush=True)
             got = run_trainer(ctx, t, c, ctx.work / "speed" / f"round{r}", epoch1[t])
             rec["epoch_check"][t] = check_epochs(t, wins[t], got["epochs"], got["outside"], got["ends"])
@@ -284,7 +288,9 @@ def run_speed(grid: dict, args, prepare) -> int:
             row[t] = {f"epoch{i + 1}": sbs.window_speed(got["ends"], got["tokens"], outside, a, b)
                       for i, (a, b) in enumerate(wins[t])}
             row[t]["tokens_per_step"] = statistics.fmean(got["tokens"])
+            save()  # each run kept as it ends: a round is 30 min on 2 cores
         rec["rounds"].append(row)
+        rec["partial_round"] = {}
         save()
         print(f"protocol: speed round {r + 1}: " + ", ".join(
             f"{t} {x['epoch1']:.0f} / {x['epoch2']:.0f} tok/s" for t, x in row.items()), flush=True)
