@@ -621,12 +621,13 @@ def test_the_speed_stage_resumes_a_round_cut_off_from_the_runs_it_kept(tmp_path,
                 "profile": {"results": [{"share_total": 0.1}, {"share_total": 0.1}]} if profile else None}
 
     monkeypatch.setattr(speed, "run_trainer", run_trainer)
-    assert main(tmp_path, "--stage", "speed", "--only", "ours", "--chosen-on", DATA[:12]) == 1  # cut off in round 2, after its first run
+    stage = ("--stage", "speed", "--only", "ours", "--chosen-on", DATA[:12])
+    assert main(tmp_path, *stage) == 1  # cut off in round 2, after its first run
     rec = json.loads(speed.speed_path(tmp_path / "heads", "cpu-x").read_text())
     assert ran == ["ours", "ours-recipe", "ours"] and len(rec["rounds"]) == 1
     assert list(rec["partial_round"]) == ["ours"] and rec["partial_round"]["ours"]["epoch1"] == pytest.approx(1000)
     stop_at[0] = None
-    assert main(tmp_path, "--stage", "speed", "--only", "ours", "--chosen-on", DATA[:12]) == 0
+    assert main(tmp_path, *stage) == 0
     assert "round 2/5: ours (two-layers) ran before this run" in capsys.readouterr().out
     # round 2 went on with ours-recipe, not a fresh ours: 5 rounds of 2 runs in all, and the 2 profile runs
     assert ran[3:] == ["ours-recipe"] + ["ours", "ours-recipe"] * 3 + ["ours", "ours-recipe"]

@@ -15,9 +15,8 @@ and loss taken out.
 
 Writes benchmarks/results/peers-protocol/speed-<processor kind>.json after every run (a later run on the same kind
 resumes from its rounds, and from the runs of a round cut off, when the data and the configurations are the same)
-and prints the table. The configurations
-are those chosen on the dev figures of this machine's data, or (`--chosen-on HASH`) of the heads' data made on another
-processor kind: the table's choice, timed here. Exits non-zero when a run makes other steps than
+and prints the table. The configurations are those chosen on the dev figures of this machine's data, or
+(`--chosen-on HASH`) of the heads' data made on another processor kind: the table's choice, timed here. Exits non-zero when a run makes other steps than
 asked, when a window is not in the epoch it should be, or when a peer's best configuration is not known yet.
 """
 
