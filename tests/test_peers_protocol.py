@@ -363,7 +363,8 @@ def test_trainer_speed_sets_each_peer_against_ours_with_as_many_layers():
 
 def test_trainer_speed_ratios_with_the_profiled_kernels_taken_out():
     """The peer's attention and loss (its CPU fallbacks) taken out of its time, then both sides': a peer 2x slower
-    whose fallbacks are 60% of its step is 0.8x ours without them; ours with 20% in the same kernels, 1.0x."""
+    whose fallbacks are 60% of its step is 0.8x ours without them; ours with 20% in the same kernels, 1.0x; the
+    peer given ours' 20% in place of its 60%, 1.0x."""
     from trainer_speed import like_for_like
 
     profiles = {"ours": {"share_total": 0.2}, "speculators": {"share_total": 0.6}}
@@ -371,6 +372,7 @@ def test_trainer_speed_ratios_with_the_profiled_kernels_taken_out():
     assert like["speculators"]["ratio"] == pytest.approx(2.0)
     assert like["speculators"]["ratio_peer_kernels_out"] == pytest.approx(0.8)
     assert like["speculators"]["ratio_kernels_out"] == pytest.approx(1.0)
+    assert like["speculators"]["ratio_peer_with_ours"] == pytest.approx(0.8 + 0.2)  # its 0.8 outside them, ours' 0.2 in them
     assert "ratio_kernels_out" not in like_for_like({"ours": 1.0, "speculators": 1.0},
                                                     {"ours": 1, "speculators": 1})["speculators"]  # not profiled
 
@@ -487,6 +489,8 @@ def test_speed_summary_gives_each_epochs_ratio_with_its_spread_and_the_kernels_t
     assert (e1["median"], e1["min"], e1["max"]) == pytest.approx((1.5, 1.5, 2.2))  # per round: 1.5, 2.2, 1.5
     assert e1["peer_kernels_out"] == pytest.approx(1.5 * 0.4)  # the peer's 60% of attention and loss taken out
     assert e1["kernels_out"] == pytest.approx(1.5 * 0.4 / 0.8)  # and ours' 20%
+    # the peer given ours' attention and loss: per token ours takes 1 unit, the peer 1.5 of which 0.9 in them
+    assert e1["peer_with_ours"] == pytest.approx(1.5 * 0.4 + 0.2)
     e2 = s["ours_over"]["speculators"]["epoch2"]
     assert e2["median"] == pytest.approx(2.0) and e2["kernels_out"] == pytest.approx(2.0 * 0.5 / 0.9)
     assert "kernels_out" not in speed.summary(rounds, {}, {"ours": "recipe", "speculators": "d"})["ours_over"][

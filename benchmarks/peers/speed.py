@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import protocol
 from protocol import PEERS, ProtocolError, best_config, configuration, load_heads, packed_rows, speculators_rows
+from step_profile import kernel_ratios
 
 ORDER = ("ours", "ours-recipe", "speculators", "specforge")  # the timed runs' labels, in the order of a round
 RATIO = {"ours": "ours_over", "ours-recipe": "recipe_over"}  # summary keys: each of ours over each peer
@@ -135,8 +136,8 @@ def epoch1_steps(ctx: SimpleNamespace, trainer: str) -> int:
 
 def summary(rounds: list[dict], profiles: dict, chosen: dict) -> dict:
     """Medians over rounds, the per-round ratios of ours (`ours_over`; at its recipe's head `recipe_over`) over each
-    peer (median, range), and with profiles the ratios with attention and loss taken out (the window's shares of the
-    profiled run, on the median ratio)."""
+    peer (median, range), and with profiles the ratios at equal attention and loss (`step_profile.kernel_ratios`:
+    the window's shares of the profiled run, on the median ratio)."""
     trainers = [t for t in ORDER if t in chosen]
     out = {"tokens_per_s": {}, **{RATIO[o]: {} for o in RATIO if o in chosen}}
     for t in trainers:
@@ -150,9 +151,7 @@ def summary(rounds: list[dict], profiles: dict, chosen: dict) -> dict:
             x = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
             if o in profiles and p in profiles:
                 share = {t: profiles[t]["results"][i]["share_total"] for t in (o, p)}
-                x.update(share_ours=share[o], share_peer=share[p],
-                         peer_kernels_out=x["median"] * (1 - share[p]),
-                         kernels_out=x["median"] * (1 - share[p]) / (1 - share[o]))
+                x.update(share_ours=share[o], share_peer=share[p], **kernel_ratios(x["median"], share[o], share[p]))
             out[RATIO[o]][p][e] = x
     return out
 
@@ -177,8 +176,8 @@ def print_speed(rec: dict) -> None:
                 line = f"{o} ({rec['chosen'][o]}) / {p}, {name}: {x['median']:.2f} [{x['min']:.2f}, {x['max']:.2f}]"
                 if "kernels_out" in x:
                     line += (f"; attention and loss {x['share_peer']:.0%} of its step, {x['share_ours']:.0%} of "
-                             f"ours: without the peer's {x['peer_kernels_out']:.2f}, without both sides' "
-                             f"{x['kernels_out']:.2f}")
+                             f"ours: the peer with ours' {x['peer_with_ours']:.2f}, without the peer's "
+                             f"{x['peer_kernels_out']:.2f}, without both sides' {x['kernels_out']:.2f}")
                 print(line)
 
 

@@ -267,6 +267,16 @@ def summarize(events, step_end: list[float], first: int, last: int, since: int =
             "top_self_ops": [{"op": k, "self_s": round(s, 6), "share": s / wall} for k, s in top[:15]]}
 
 
+def kernel_ratios(ratio: float, share_ours: float, share_peer: float) -> dict[str, float]:
+    """A speed ratio (ours' tokens/s over a peer's) with the profiled categories' shares of each side's step
+    (attention and loss, where a peer on a CPU runs fallbacks) set equal three ways: `peer_kernels_out`, the peer's
+    share taken out of its time (as if its fallbacks cost nothing: a bound in the peer's favour); `kernels_out`,
+    both sides' taken out (the rest of the step); `peer_with_ours`, the peer's share replaced by ours' time in the
+    same categories (per token: its time less its share, plus ours' share of ours' time)."""
+    rest = ratio * (1 - share_peer)
+    return {"peer_kernels_out": rest, "kernels_out": rest / (1 - share_ours), "peer_with_ours": rest + share_ours}
+
+
 def parse_scopes(pairs: list[str], what: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = defaultdict(list)
     for pair in pairs:

@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+from step_profile import kernel_ratios  # noqa: E402
 from timing import command, machine  # noqa: E402
 
 
@@ -126,8 +127,9 @@ def main() -> None:
     for n, v in rounds.items():
         print(f"{n:<18}" + "".join(f"{x['tokens_per_s']:>9.0f}" for x in v) + f"   median {median[n]:.0f}"
               + (f"   {like[n]['ours']} / this {like[n]['ratio']:.2f} ({layers[n]} layers)" if n in like else "")
-              + (f"; without its attention and loss {like[n]['ratio_peer_kernels_out']:.2f}, without both sides' "
-                 f"{like[n]['ratio_kernels_out']:.2f}" if n in like and "ratio_kernels_out" in like[n] else ""))
+              + (f"; with ours' attention and loss {like[n]['ratio_peer_with_ours']:.2f}, without its "
+                 f"{like[n]['ratio_peer_kernels_out']:.2f}, without both sides' {like[n]['ratio_kernels_out']:.2f}"
+                 if n in like and "ratio_kernels_out" in like[n] else ""))
     name = "peers-trainer_speed" + ("" if args.steps == 20 else f"-{args.steps}") + (f"-{args.tag}" if args.tag else "")
     out = HERE.parent / "results" / f"{name}.json"
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": machine(torch.get_num_threads()),
@@ -149,20 +151,18 @@ def layer_count(overrides: list[str]) -> int:
 def like_for_like(median: dict[str, float], layers: dict[str, int], profiles: dict | None = None) -> dict:
     """Each peer against the run of ours with its layer count (a one-layer run of ours is not set against a
     two-layer peer): {peer: {"ours": run, "layers": n, "ratio": ours / peer}}; a peer with no such run of ours is
-    left out. The fastest peer is the one with the smallest ratio. With both runs profiled, also the ratio with the
-    peer's attention and loss taken out of its time (`ratio_peer_kernels_out`: as if its CPU fallbacks cost
-    nothing, a bound in the peer's favour) and with both sides' taken out (`ratio_kernels_out`: the rest of the
-    step at equal, zero, kernels); a share is of the profiled run, applied to the rounds' median."""
+    left out. The fastest peer is the one with the smallest ratio. With both runs profiled, also the ratios at equal
+    attention and loss (`step_profile.kernel_ratios`, prefixed `ratio_`); a share is of the profiled run, applied
+    to the rounds' median."""
     out = {}
     for peer in ("speculators", "specforge"):
         ours = next((n for n in median if n.startswith("ours") and layers[n] == layers.get(peer)), None)
         if peer in median and ours:
             out[peer] = {"ours": ours, "layers": layers[peer], "ratio": median[ours] / median[peer]}
             if profiles and peer in profiles and ours in profiles:
-                rest = {n: 1 - profiles[n]["share_total"] for n in (ours, peer)}
-                out[peer].update(share_ours=profiles[ours]["share_total"], share_peer=profiles[peer]["share_total"],
-                                 ratio_peer_kernels_out=out[peer]["ratio"] * rest[peer],
-                                 ratio_kernels_out=out[peer]["ratio"] * rest[peer] / rest[ours])
+                share = {n: profiles[n]["share_total"] for n in (ours, peer)}
+                out[peer].update(share_ours=share[ours], share_peer=share[peer], **{
+                    f"ratio_{k}": v for k, v in kernel_ratios(out[peer]["ratio"], share[ours], share[peer]).items()})
     return out
 
 
