@@ -97,6 +97,29 @@ def test_the_budget_takes_tokens_per_step_within_2_percent_and_the_exact_steps()
         protocol.check_budget("specforge-matched-s1", {"steps": 149, "tokens_per_step": 2000.0}, budget, 2000.0, "x")
 
 
+def test_train_head_keeps_ours_layers_and_each_peers_adjustments(tmp_path, monkeypatch):
+    """train_head through stand-in launchers: ours' record has its head's layers and no launcher adjustments (ours
+    has no launcher); a peer's has one layer and its launcher's adjustments with their call counts."""
+    import side_by_side as sbs
+
+    made = {"export": tmp_path / "export", "speed": {"steps": 150, "tokens_per_step": 2000.0}}
+    adjusted = {"adjustments": {"muon_fp32_gemms": {"calls": 600}, "sdpa": {"calls": None}}}
+    monkeypatch.setattr(sbs, "ours", lambda *a, **k: {**made, "cfg": SimpleNamespace(head=SimpleNamespace(
+        num_layers=2)), "teacher_forced": {"d1": 0.4}, "settings": ["head.num_layers=2"]})
+    monkeypatch.setattr(sbs, "speculators", lambda *a, **k: {**made, **adjusted, "settings": ["--lr", "1e-3"]})
+    monkeypatch.setattr(sbs, "specforge", lambda *a, **k: {**made, "adjustments": {}, "overrides": ["x=1"]})
+    ctx = SimpleNamespace(grid=GRID, base=tmp_path, cfg=SimpleNamespace(train=SimpleNamespace(depth=3)), layers=30,
+                          work=tmp_path / "work", lengths=[300] * 1200, reference=2400.0, peers={}, peers_json=None)
+    for name in ("ours-two-layers-s0", "speculators-defaults-lk-s0", "specforge-matched-lk-s0"):
+        (ctx.work / name).mkdir(parents=True)
+    ours = protocol.train_head(ctx, "ours", protocol.configuration(GRID, "ours", "two-layers"), 0)
+    assert ours["layers"] == 2 and "adjustments" not in ours and ours["teacher_forced"] == {"d1": 0.4}
+    spec = protocol.train_head(ctx, "speculators", protocol.configuration(GRID, "speculators", "defaults-lk"), 0)
+    assert spec["layers"] == 1 and spec["adjustments"] == {"muon_fp32_gemms": 600, "sdpa": None}
+    forge = protocol.train_head(ctx, "specforge", protocol.configuration(GRID, "specforge", "matched-lk"), 0)
+    assert forge["layers"] == 1 and forge["adjustments"] == {} and forge["settings"] == ["x=1"]
+
+
 def test_speculators_rows_are_chosen_to_hold_the_budgets_tokens():
     rng = random.Random(0)
     lengths = [rng.randint(20, 512) for _ in range(1200)]

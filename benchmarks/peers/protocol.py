@@ -288,8 +288,8 @@ def train_head(ctx: SimpleNamespace, trainer: str, conf: dict, seed: int) -> dic
                                 epochs=extra["epochs"])
         else:
             h = sbs.specforge(args, ctx.peers_json, ctx.work, name, settings=conf["flags"], overrides=conf["overrides"])
-        # the launcher's run-time adjustments and how often each ran (None: a setting); docs/peers.md
-        extra.update(layers=1, adjustments={k: v["calls"] for k, v in h["adjustments"].items()})
+        if trainer != "ours":  # a peer's launcher's run-time adjustments and how often each ran (None: a setting)
+            extra.update(layers=1, adjustments={k: v["calls"] for k, v in h["adjustments"].items()})
     except RuntimeError as e:  # a launcher's failure or a step count other than asked
         raise ProtocolError(f"{name}: {e}") from None
     settings, seconds = h.get("settings") or h["overrides"], time.perf_counter() - t0
