@@ -395,7 +395,8 @@ def test_trainer_speed_ratios_with_the_profiled_kernels_taken_out():
     assert like["speculators"]["ratio"] == pytest.approx(2.0)
     assert like["speculators"]["ratio_peer_kernels_out"] == pytest.approx(0.8)
     assert like["speculators"]["ratio_kernels_out"] == pytest.approx(1.0)
-    assert like["speculators"]["ratio_peer_with_ours"] == pytest.approx(0.8 + 0.2)  # its 0.8 outside them, ours' 0.2 in them
+    # the peer given ours' kernels: its 0.8 outside them, ours' 0.2 in them
+    assert like["speculators"]["ratio_peer_with_ours"] == pytest.approx(0.8 + 0.2)
     assert "ratio_kernels_out" not in like_for_like({"ours": 1.0, "speculators": 1.0},
                                                     {"ours": 1, "speculators": 1})["speculators"]  # not profiled
 

@@ -10,14 +10,15 @@ on all alike), each trainer trains a fresh run of epoch 1 and `speed.window` ste
 timed over two windows: `speed.window` steps after `speed.warmup` steps of epoch 1, and the first `speed.window`
 steps of epoch 2 (real tokens over wall time, less a peer's checkpointing and validation between epochs). After
 `speed.rounds` rounds, one more run of each trainer has `speed.profile` steps of each window profiled by category
-(`step_profile.py`: attention, loss), and the ratios are also given with the peer's, and with both sides', attention
-and loss taken out.
+(`step_profile.py`: attention, loss), and the ratios are also given at equal attention and loss
+(`step_profile.kernel_ratios`: the peer given ours' time in them, the peer's taken out, both sides' taken out).
 
 Writes benchmarks/results/peers-protocol/speed-<processor kind>.json after every run (a later run on the same kind
 resumes from its rounds, and from the runs of a round cut off, when the data and the configurations are the same)
 and prints the table. The configurations are those chosen on the dev figures of this machine's data, or
-(`--chosen-on HASH`) of the heads' data made on another processor kind: the table's choice, timed here. Exits non-zero when a run makes other steps than
-asked, when a window is not in the epoch it should be, or when a peer's best configuration is not known yet.
+(`--chosen-on HASH`) of the heads' data made on another processor kind: the table's choice, timed here. Exits
+non-zero when a run makes other steps than asked, when a window is not in the epoch it should be, or when a peer's
+best configuration is not known yet.
 """
 
 from __future__ import annotations
