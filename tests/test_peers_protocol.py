@@ -346,6 +346,14 @@ def test_the_table_comes_from_the_jsons_and_names_a_head_left_out(tmp_path, caps
     peer = table["trainers"]["speculators"]["sets"]["sharegpt-test"]["tau"]["value"]
     assert ratio["peer"] == "speculators" and ratio["value"] == pytest.approx(s["tau"]["value"] / peer)
     assert ratio["low"] < ratio["value"] < ratio["high"]
+    means = {t: sum(table["trainers"][t]["sets"][x]["tau"]["value"] for x in TEST_SETS) / len(TEST_SETS)
+             for t in ("ours", "speculators")}
+    assert table["trainers"]["ours"]["mean"]["tau"]["value"] == pytest.approx(means["ours"])
+    pooled = table["ratios"]["mean of the test sets"]  # the goal's figure, over the peer best on the mean
+    assert pooled["peer"] == "speculators" and pooled["value"] == pytest.approx(means["ours"] / means["speculators"])
+    assert pooled["low"] < pooled["value"] < pooled["high"]
+    per_set = [table["ratios"][x] for x in TEST_SETS]  # three sets' prompts: narrower than one set's
+    assert pooled["high"] - pooled["low"] < max(r["high"] - r["low"] for r in per_set)
 
 
 def test_a_served_export_is_rounded_through_bfloat16(tmp_path):
