@@ -12,6 +12,8 @@ from collections import Counter
 from muon_cpu import MUON_ADJUSTMENT
 from protocol import PEERS, TRAINERS, ProtocolError, best_config, head_name, load_heads, mean_dev_tau
 
+MEAN = "mean of the test sets"  # the row of each trainer's mean over the sets, and of ours over the best peer on it
+
 
 def split_heads(heads: dict[str, dict], digest: str | None = None) -> tuple[dict, dict, str, str]:
     """(the heads of the table, those left out with why, its hash, its processor): the table's hash is `digest`,
@@ -91,23 +93,16 @@ def table(heads: dict[str, dict], grid: dict, seed: int = 0) -> dict:
                                     "mean": mean_of_sets(sets)}
     peers = [p for p in PEERS if p in out["trainers"]]
     if "ours" in out["trainers"] and peers:
-        for s, mine in out["trainers"]["ours"]["sets"].items():
-            peer = max(peers, key=lambda p: out["trainers"][p]["sets"][s]["tau"]["value"])
-            theirs = out["trainers"][peer]["sets"][s]
+        figures = {t: {**out["trainers"][t]["sets"], MEAN: out["trainers"][t]["mean"]} for t in ["ours", *peers]}
+        for s, mine in figures["ours"].items():  # per set, and the goal's figure: ours over the peer best on the mean
+            peer = max(peers, key=lambda p: figures[p][s]["tau"]["value"])
+            theirs = figures[peer][s]
             ratios = [a / b if a is not None and b else None for a, b in zip(mine["draws"], theirs["draws"])]
             out["ratios"][s] = {"peer": peer, **interval(mine["tau"]["value"] / theirs["tau"]["value"], ratios)}
-        mine = out["trainers"]["ours"]["mean"]  # the goal's figure: ours over the peer best on the mean of the sets
-        peer = max(peers, key=lambda p: out["trainers"][p]["mean"]["tau"]["value"])
-        theirs = out["trainers"][peer]["mean"]
-        ratios = [a / b if a is not None and b else None for a, b in zip(mine["draws"], theirs["draws"])]
-        out["ratios"][MEAN] = {"peer": peer, **interval(mine["tau"]["value"] / theirs["tau"]["value"], ratios)}
     for t in out["trainers"].values():
         for s in [*t["sets"].values(), t["mean"]]:
             del s["draws"]
     return out
-
-
-MEAN = "mean of the test sets"
 
 
 def mean_of_sets(sets: dict[str, dict]) -> dict:
